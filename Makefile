@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch lies on this machine's disk; installing it first keeps
+# pip from resolving the project's `torch` range to a multi-GB CUDA build.
+# On a GPU machine: make TORCH_SPEC='torch==2.13.0 --index-url ...' or preinstall.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+QUIET_PIP := grep -v '^WARNING: Location' || true
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
+	$(PY) -c 'import lab, torch; print("installed lab with torch", torch.__version__)'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lab demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs reports .pytest_cache

@@ -1,0 +1,131 @@
+"""Validated, frozen configuration dataclasses.
+
+Every config in `lab` (trainers, rules, protocols) is a frozen dataclass of
+primitives. Declaring a field with :func:`choice` or :func:`bounded` attaches
+its constraint; :func:`validate` (called from ``__post_init__``) checks the
+type and the constraint of every field, and :func:`from_dict` refuses unknown
+keys. Each error names the key, the value and what is allowed, because a
+researcher reads them in a notebook traceback, far from this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that the config does not allow."""
+
+
+def choice(default: Any, options: tuple) -> Any:
+    """A field whose value must be one of ``options``."""
+    return dataclasses.field(default=default, metadata={"choices": tuple(options)})
+
+
+def bounded(
+    default: Any,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> Any:
+    """A numeric field constrained to an interval (closed unless ``*_open``)."""
+    return dataclasses.field(
+        default=default,
+        metadata={"range": (lo, hi, lo_open, hi_open)},
+    )
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    # bool is a subclass of int: a flag where a count belongs is a mistake.
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    if origin is tuple or annotation is tuple:
+        return isinstance(value, tuple)
+    return isinstance(value, annotation)
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _interval(lo, hi, lo_open, hi_open) -> str:
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:
+    """Raise ConfigError if ``value`` breaks the field's type or constraint."""
+    if not _type_ok(value, annotation):
+        raise ConfigError(
+            f"{owner}.{name} must be {_type_name(annotation)}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if "choices" in metadata and value not in metadata["choices"]:
+        allowed = ", ".join(repr(c) for c in metadata["choices"])
+        raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of: {allowed}")
+    if "range" in metadata and isinstance(value, (int, float)):
+        lo, hi, lo_open, hi_open = metadata["range"]
+        bad = not math.isfinite(value)
+        bad |= lo is not None and (value < lo or (lo_open and value == lo))
+        bad |= hi is not None and (value > hi or (hi_open and value == hi))
+        if bad:
+            raise ConfigError(
+                f"{owner}.{name}={value!r} is out of range; allowed: "
+                f"{_interval(lo, hi, lo_open, hi_open)}"
+            )
+
+
+def validate(config: Any) -> None:
+    """Check every field of a dataclass instance; call from ``__post_init__``."""
+    owner = type(config).__name__
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        check_field(owner, f.name, getattr(config, f.name), hints[f.name], f.metadata)
+
+
+def field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def from_dict(cls, values: dict | None = None, **overrides):
+    """Build ``cls`` from a mapping, refusing keys it does not declare."""
+    merged = {**(values or {}), **overrides}
+    known = field_names(cls)
+    unknown = sorted(set(merged) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}; "
+            f"known fields: {', '.join(known)}"
+        )
+    return cls(**merged)
+
+
+def describe(cls) -> dict[str, dict]:
+    """Field -> {default, type, choices/range}: what a notebook or CLI can show."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        entry = {"default": f.default, "type": _type_name(hints[f.name])}
+        entry.update({k: v for k, v in f.metadata.items()})
+        out[f.name] = entry
+    return out

@@ -1,0 +1,186 @@
+"""Offline datasets for the credit-assignment experiments, behind one loader.
+
+`load_dataset(name)` returns a `Dataset` of CPU tensors: train / val / test splits, inputs
+standardised per dataset, labels int64. Three datasets, all usable without a network:
+
+- ``mnist1d``: MNIST-1D, generated procedurally (Greydanus 2020, "Scaling down deep learning").
+- ``digits``: scikit-learn's bundled 8x8 handwritten digits.
+- ``cifar10``: CIFAR-10 (Krizhevsky 2009) read from a local copy of the official python batches.
+
+The validation split is carved out of the *training* set by a permutation drawn from
+`split_seed`; the test split is never touched by it, so test numbers are comparable across seeds.
+Per-dataset loading lives in the submodules; augmentation in `lab.data.augment`, mini-batching in
+`lab.data.batches`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["DATASETS", "DataError", "Dataset", "Split", "default_data_dir", "load_dataset"]
+
+DATASETS = ("mnist1d", "digits", "cifar10")
+
+_MAX_VAL_FRACTION = 0.9
+
+
+class DataError(ValueError):
+    """A dataset could not be loaded or an argument to the data layer is out of range."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split of a dataset: inputs `x` (float32) and labels `y` (int64), same first dim.
+
+    Only the shared first dimension is checked, so other parts of `lab` may reuse the type.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        # Checked here so that a mismatch surfaces where the split is built, not in a trainer.
+        if self.x.shape[0] != self.y.shape[0]:
+            raise DataError(
+                f"Split has {self.x.shape[0]} inputs but {self.y.shape[0]} labels; "
+                "x and y must share their first dimension"
+            )
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A loaded dataset. dims 1: x is (N, C, L); dims 2: x is (N, C, H, W)."""
+
+    name: str
+    train: Split
+    val: Split
+    test: Split
+    in_channels: int
+    n_classes: int
+    dims: int
+    augment: str  # the natural augmentation, a kind understood by lab.data.augment.augment
+
+
+@dataclass(frozen=True)
+class _Spec:
+    in_channels: int
+    n_classes: int
+    dims: int
+    augment: str
+
+
+_SPECS = {
+    "mnist1d": _Spec(in_channels=1, n_classes=10, dims=1, augment="shift"),
+    "digits": _Spec(in_channels=1, n_classes=10, dims=2, augment="none"),
+    "cifar10": _Spec(in_channels=3, n_classes=10, dims=2, augment="crop_flip"),
+}
+
+
+def default_data_dir() -> Path:
+    """`$LAB_DATA_DIR` if set, else ``~/.cache/lab``."""
+    return Path(os.environ.get("LAB_DATA_DIR") or Path.home() / ".cache" / "lab").expanduser()
+
+
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    val_fraction: float = 0.1,
+    split_seed: int = 0,
+    n_train: int = 0,
+) -> Dataset:
+    """Load `name` (one of DATASETS) as CPU tensors with a validation split held out of train.
+
+    val_fraction: share of the training set held out as validation, in [0, 0.9]; 0 gives an
+        empty val split with the right trailing shape.
+    split_seed: seeds the (local) permutation that picks the validation examples.
+    n_train: if > 0, keep only the first n_train training examples after the split (for tiny
+        runs); a value above the number available keeps them all.
+    """
+    if name not in _SPECS:
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    _check_args(val_fraction, n_train)
+    spec = _SPECS[name]
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+
+    x_train, y_train, x_test, y_test, scale = _load_raw(name, root)
+    # The input scale is fitted on the whole official training set, before the validation
+    # holdout and the n_train cut: an example's values then depend neither on split_seed nor on
+    # run size, and test tensors are identical across seeds. (The val examples inform only the
+    # per-channel mean/std, a negligible leak.)
+    to_float = scale(x_train)
+    train_idx, val_idx = _val_split(len(y_train), val_fraction, split_seed, name)
+    if n_train > 0:
+        train_idx = train_idx[:n_train]
+
+    return Dataset(
+        name=name,
+        train=_split(x_train[train_idx], y_train[train_idx], to_float),
+        val=_split(x_train[val_idx], y_train[val_idx], to_float),
+        test=_split(x_test, y_test, to_float),
+        in_channels=spec.in_channels,
+        n_classes=spec.n_classes,
+        dims=spec.dims,
+        augment=spec.augment,
+    )
+
+
+def _check_args(val_fraction: float, n_train: int) -> None:
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
+        raise DataError(
+            f"val_fraction must be a number in [0, {_MAX_VAL_FRACTION}], got {val_fraction!r}"
+        )
+    if not (0.0 <= val_fraction <= _MAX_VAL_FRACTION):  # also rejects NaN
+        raise DataError(
+            f"val_fraction={val_fraction!r} is out of range; allowed: [0, {_MAX_VAL_FRACTION}] "
+            "(the share of the training set held out as validation)"
+        )
+    if isinstance(n_train, bool) or not isinstance(n_train, (int, np.integer)):
+        raise DataError(f"n_train must be an integer >= 0 (0 = all), got {n_train!r}")
+    if n_train < 0:
+        raise DataError(f"n_train={n_train} is negative; allowed: an integer >= 0 (0 = all)")
+
+
+def _load_raw(name: str, root: Path):
+    """(x_train, y_train, x_test, y_test, scale) as numpy arrays plus the dataset's scaler.
+
+    Imported lazily so that `import lab.data` needs none of the per-dataset dependencies.
+    """
+    if name == "mnist1d":
+        from lab.data import mnist1d as module
+    elif name == "digits":
+        from lab.data import digits as module
+    else:
+        from lab.data import cifar10 as module
+    x_train, y_train, x_test, y_test = module.load_arrays(root)
+    return x_train, y_train, x_test, y_test, module.fit_scaler
+
+
+def _val_split(n: int, val_fraction: float, seed: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays (train, val), each in ascending order, from a permutation seeded by `seed`."""
+    n_val = int(math.floor(val_fraction * n + 0.5))
+    if n - n_val < 1:
+        raise DataError(
+            f"{name}: val_fraction={val_fraction} of {n} training examples leaves no training "
+            "examples; lower val_fraction or provide more data"
+        )
+    # A local generator: the split must neither depend on nor disturb the global torch RNG.
+    generator = torch.Generator().manual_seed(int(seed))
+    perm = torch.randperm(n, generator=generator).numpy()
+    # Sorted, so the split is a set: the training order is the data's, shuffling is the batcher's.
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def _split(x: np.ndarray, y: np.ndarray, to_float) -> Split:
+    x_t = torch.from_numpy(np.ascontiguousarray(to_float(x), dtype=np.float32))
+    y_t = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    return Split(x=x_t, y=y_t)

@@ -1,0 +1,297 @@
+"""Train the CIFAR-style ResNet with any registered learning rule.
+
+One epoch loop for every rule: the rule writes ``.grad`` (see
+``lab.rules.base``), a stock optimizer steps, a per-step LR schedule follows
+(one-cycle by default: Smith & Topin 2019, "Super-convergence"). Per epoch the
+trajectory records training loss/accuracy, validation loss/accuracy, the
+learning rate and the rule's own diagnostics; the test split is evaluated
+exactly once, after the last epoch. A non-finite training loss ends the run
+with status ``diverged`` and keeps the trajectory so far. With an output
+directory every epoch ends with an atomic checkpoint and record, so a killed
+run resumes to the record an uninterrupted run would have written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .. import records
+from ..config import ConfigError, bounded, choice, validate
+from ..data import DATASETS, load_dataset
+from ..data.augment import augment
+from ..data.batches import iterate_batches
+from ..device import resolve_device, seeded, set_threads, sync
+from ..models import ResNet
+from ..rules import RULES, make_rule, resolve_params
+from .checkpoint import load_checkpoint, save_checkpoint
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """Everything one conv run depends on; ``asdict`` is stored in the record."""
+
+    # data
+    dataset: str = choice("mnist1d", DATASETS)
+    data_dir: str = ""  # "" -> $LAB_DATA_DIR or ~/.cache/lab
+    val_fraction: float = bounded(0.1, 0.0, 0.9)
+    n_train: int = bounded(0, 0)  # 0 = every training example
+    augment: str = choice("auto", ("auto", "none", "shift", "crop_flip"))
+    # model
+    depth: int = bounded(20, 8)
+    width: int = bounded(16, 1)
+    normalization: str = choice("batchnorm", ("batchnorm", "none"))
+    residual_scale: float = bounded(1.0, 0.0, lo_open=True)
+    dtype: str = choice("float32", tuple(DTYPES))
+    # learning rule
+    rule: str = "bp"
+    rule_params: dict = dataclasses.field(default_factory=dict)
+    # optimisation
+    optimizer: str = choice("sgd", ("sgd", "adam"))
+    lr: float = bounded(0.1, 0.0, lo_open=True)
+    momentum: float = bounded(0.9, 0.0, 1.0, hi_open=True)
+    nesterov: bool = True
+    weight_decay: float = bounded(5e-4, 0.0)
+    schedule: str = choice("onecycle", ("onecycle", "cosine", "constant"))
+    warmup_fraction: float = bounded(0.25, 0.0, 1.0, lo_open=True, hi_open=True)
+    epochs: int = bounded(30, 1)
+    batch_size: int = bounded(128, 1)
+    grad_clip: float = bounded(0.0, 0.0)  # max global grad norm; 0 = off
+    # evaluation
+    eval_split: str = choice("val", ("val", "test"))
+    eval_every: int = bounded(1, 0)  # epochs between validation passes; 0 = never
+    eval_batch_size: int = bounded(1000, 1)
+    # run
+    seed: int = bounded(0, 0)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    threads: int = bounded(0, 0)  # 0 = torch's default
+    checkpoint_every: int = bounded(1, 0)  # epochs; 0 = never
+    progress: bool = True
+
+    def __post_init__(self):
+        validate(self)
+        if (self.depth - 2) % 6:
+            raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
+                              "(8, 14, 20, 32, 44, 56, 110)")
+        if self.rule not in RULES:
+            raise ConfigError(f"ConvConfig.rule={self.rule!r} is unknown; known rules: "
+                              f"{', '.join(sorted(RULES))}")
+        if self.eval_split == "test" and self.eval_every:
+            raise ConfigError(
+                "ConvConfig.eval_split='test' with eval_every="
+                f"{self.eval_every} would look at the test split during training; the test "
+                "split is evaluated exactly once, after the last epoch. Use eval_split='val' "
+                "(or eval_every=0)."
+            )
+        if self.eval_every and self.val_fraction == 0:
+            raise ConfigError("ConvConfig.eval_every > 0 needs a validation split; set "
+                              "val_fraction in (0, 0.9] or eval_every=0")
+        # Store the rule's resolved hyper-parameters, defaults included, so the
+        # record says exactly what ran.
+        object.__setattr__(self, "rule_params", resolve_params(self.rule, self.rule_params))
+
+
+def _evaluate(model, split, batch_size) -> tuple[float, float]:
+    """(mean loss, accuracy) in eval mode, with no gradient and no BN update."""
+    if len(split.y) == 0:
+        return math.nan, math.nan
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=split.x.device)
+    correct = torch.zeros((), dtype=torch.int64, device=split.x.device)
+    with torch.no_grad():
+        for x, y in iterate_batches(split, batch_size, shuffle=False, generator=None):
+            logits = model(x)
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(1) == y).sum()
+    n = len(split.y)
+    return float(loss_sum) / n, int(correct) / n
+
+
+def _scheduler(config: ConvConfig, optimizer, total_steps: int):
+    if config.schedule == "onecycle" and total_steps >= 4:
+        # torch needs at least one step in each phase of the cycle.
+        pct = min(max(config.warmup_fraction, 1.5 / total_steps), 1 - 1.5 / total_steps)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=config.lr, total_steps=total_steps, pct_start=pct,
+            cycle_momentum=config.optimizer == "sgd")
+    if config.schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def _optimizer(config: ConvConfig, params):
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+                               nesterov=config.nesterov and config.momentum > 0,
+                               weight_decay=config.weight_decay)
+    return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+@dataclass
+class Run:
+    """The live objects of a conv run (what a notebook may want to inspect)."""
+
+    config: ConvConfig
+    device: torch.device
+    data: object
+    model: ResNet
+    rule: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    generator: torch.Generator  # data order and augmentation
+    steps_per_epoch: int
+
+
+def build_run(config: ConvConfig) -> Run:
+    """Data, model, rule, optimizer and schedule, all fixed by ``config.seed``."""
+    device = resolve_device(config.device)
+    set_threads(config.threads)
+    data = load_dataset(config.dataset, data_dir=config.data_dir or None,
+                        val_fraction=config.val_fraction, split_seed=config.seed,
+                        n_train=config.n_train)
+    dtype = DTYPES[config.dtype]
+    data = dataclasses.replace(data, **{
+        name: type(split)(split.x.to(device, dtype), split.y.to(device))
+        for name in ("train", "val", "test") for split in [getattr(data, name)]
+    })
+    with seeded(config.seed):
+        model = ResNet(config.depth, config.width, dims=data.dims,
+                       in_channels=data.in_channels, n_classes=data.n_classes,
+                       normalization=config.normalization,
+                       residual_scale=config.residual_scale, dtype=dtype).to(device)
+    rule = make_rule(config.rule, model, config.rule_params, seed=config.seed)
+    optimizer = _optimizer(config, list(model.parameters()) + list(rule.parameters()))
+    n_train = len(data.train.y)
+    steps_per_epoch = math.ceil(n_train / config.batch_size)
+    scheduler = _scheduler(config, optimizer, config.epochs * steps_per_epoch)
+    generator = torch.Generator().manual_seed(config.seed)
+    return Run(config, device, data, model, rule, optimizer, scheduler, generator,
+               steps_per_epoch)
+
+
+def _train_epoch(run: Run, epoch: int, kind: str) -> dict:
+    model, cfg = run.model, run.config
+    model.train()
+    device = run.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    batches = iterate_batches(run.data.train, cfg.batch_size, shuffle=True,
+                              generator=run.generator)
+    for i, (x, y) in enumerate(batches):
+        x = augment(x, kind, run.generator)
+        run.optimizer.zero_grad(set_to_none=True)
+        out = run.rule.compute_gradients(x, y, epoch * run.steps_per_epoch + i)
+        if cfg.grad_clip:
+            params = [p for g in run.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        run.optimizer.step()
+        run.scheduler.step()
+        # Accumulate on the device: no host sync per step.
+        loss_sum += out.loss.double() * len(y)
+        correct += (out.logits.argmax(1) == y).sum()
+    n = len(run.data.train.y)
+    return {"train_loss": float(loss_sum) / n, "train_acc": int(correct) / n,
+            "lr": run.optimizer.param_groups[0]["lr"]}
+
+
+def _state(run: Run, trajectory: list, status: str) -> dict:
+    return {
+        "config": dataclasses.asdict(run.config),
+        "epoch": len(trajectory),
+        "status": status,
+        "trajectory": trajectory,
+        "model": run.model.state_dict(),
+        "rule": run.rule.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "generator": run.generator.get_state(),
+    }
+
+
+def _restore(run: Run, state: dict) -> list:
+    run.model.load_state_dict(state["model"])
+    run.rule.load_state_dict(state["rule"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.generator.set_state(state["generator"])
+    return state["trajectory"]
+
+
+def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
+               run_id: str | None = None, resume: bool = True) -> dict:
+    """Train per ``config``; returns the run record (also saved under ``out_dir``).
+
+    With ``out_dir`` and ``resume``, a checkpoint left by an interrupted run of
+    the same config is picked up where it stopped.
+    """
+    out = Path(out_dir) if out_dir is not None else None
+    run = build_run(config)
+    record = records.new_record(run_id=run_id or (out.name if out else "in-memory"),
+                                kind="conv", config=dataclasses.asdict(config),
+                                device=str(run.device))
+    trajectory: list[dict] = []
+    if out is not None and resume and (out / CHECKPOINT).exists():
+        state = load_checkpoint(out / CHECKPOINT, dataclasses.asdict(config))
+        trajectory = _restore(run, state)
+        if state["status"] == "diverged":
+            record.update(status="diverged", trajectory=trajectory, error=state.get("error"))
+            records.save_run(out, record)
+            return record
+    if out is not None:
+        records.save_run(out, {**record, "trajectory": trajectory})  # visible as "running"
+    kind = config.augment if config.augment != "auto" else run.data.augment
+    status, error = "running", None
+    bar = tqdm(range(len(trajectory), config.epochs), desc=f"{config.rule} seed {config.seed}",
+               unit="epoch", initial=len(trajectory), total=config.epochs,
+               disable=not config.progress)
+    for epoch in bar:
+        start = time.perf_counter()
+        row = {"epoch": epoch, **_train_epoch(run, epoch, kind), "val_loss": None,
+               "val_acc": None}
+        if not math.isfinite(row["train_loss"]):
+            status = "diverged"
+            error = f"non-finite training loss ({row['train_loss']}) in epoch {epoch}"
+        elif config.eval_every and (epoch + 1) % config.eval_every == 0:
+            row["val_loss"], row["val_acc"] = _evaluate(run.model, run.data.val,
+                                                        config.eval_batch_size)
+        row.update(run.rule.epoch_metrics())
+        sync(run.device)
+        row["epoch_wall_s"] = time.perf_counter() - start
+        trajectory.append(row)
+        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=row["val_acc"])
+        if status == "diverged":
+            break
+        if out is not None and config.checkpoint_every and (
+                (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs):
+            save_checkpoint(out / CHECKPOINT, _state(run, trajectory, status))
+            record.update(trajectory=trajectory)
+            records.save_run(out, record)
+    record.update(trajectory=trajectory, error=error)
+    if status == "diverged":
+        record["status"] = "diverged"
+        if out is not None:
+            state = _state(run, trajectory, "diverged")
+            state["error"] = error
+            save_checkpoint(out / CHECKPOINT, state)
+    else:
+        test_loss, test_acc = _evaluate(run.model, run.data.test, config.eval_batch_size)
+        last = trajectory[-1]
+        record["final"] = {"test_loss": test_loss, "test_acc": test_acc,
+                           "train_loss": last["train_loss"], "train_acc": last["train_acc"],
+                           "val_acc": last.get("val_acc")}
+        record["status"] = "complete"
+    record["work"] = {"train_examples": len(trajectory) * len(run.data.train.y),
+                      "optimizer_steps": len(trajectory) * run.steps_per_epoch}
+    if out is not None:
+        records.save_run(out, record)
+    return record

@@ -1,0 +1,80 @@
+"""Every ConvConfig field refuses a wrong type and an out-of-range value, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from lab.config import ConfigError, from_dict
+from lab.train import ConvConfig
+
+HINTS = typing.get_type_hints(ConvConfig)
+FIELDS = dataclasses.fields(ConvConfig)
+WRONG_TYPE = {int: "3", float: "0.1", str: 3, bool: 1, dict: [1]}
+
+
+@pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
+def test_wrong_type_names_the_field(f):
+    bad = WRONG_TYPE[HINTS[f.name]]
+    with pytest.raises(ConfigError, match=rf"ConvConfig\.{f.name} must be"):
+        ConvConfig(**{f.name: bad})
+
+
+def _out_of_range(f):
+    if "choices" in f.metadata:
+        return "not-a-choice"
+    lo, hi, lo_open, hi_open = f.metadata["range"]
+    if lo is not None:
+        return lo if lo_open else lo - 1
+    return hi if hi_open else hi + 1
+
+
+CONSTRAINED = [f for f in FIELDS if f.metadata]
+
+
+@pytest.mark.parametrize("f", CONSTRAINED, ids=lambda f: f.name)
+def test_out_of_range_names_field_and_allowed(f):
+    bad = _out_of_range(f)
+    if isinstance(f.default, float) and not isinstance(bad, str):
+        bad = float(bad)
+    with pytest.raises(ConfigError, match=rf"ConvConfig\.{f.name}=.*(choose one of|allowed)"):
+        ConvConfig(**{f.name: bad})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(ConfigError, match="ConvConfig.lr=.*out of range"):
+        ConvConfig(lr=value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(depth=21), r"depth=21 is not allowed; use 6n\+2"),
+    (dict(rule="magic"), r"rule='magic' is unknown; known rules: .*bp"),
+    (dict(rule_params={"nope": 1}), r"has no field\(s\) 'nope'"),
+    (dict(eval_split="test"), r"evaluated exactly once"),
+    (dict(val_fraction=0.0), r"needs a validation split"),
+])
+def test_cross_field_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ConvConfig(**kwargs)
+
+
+def test_test_split_allowed_only_without_periodic_evaluation():
+    assert ConvConfig(eval_split="test", eval_every=0).eval_split == "test"
+
+
+def test_unknown_key_lists_known_fields():
+    with pytest.raises(ConfigError, match=r"no field\(s\) 'learning_rate'.*known fields: .*lr"):
+        from_dict(ConvConfig, {"learning_rate": 0.1})
+
+
+def test_asdict_round_trips():
+    config = ConvConfig(lr=0.05, seed=3)
+    assert from_dict(ConvConfig, dataclasses.asdict(config)) == config
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ConvConfig().lr = 1.0

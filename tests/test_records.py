@@ -1,0 +1,421 @@
+"""Run records: round trips, atomic writes, validation messages, tidy tables, run tables."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from lab import records
+from lab.records import RecordError
+
+CONFIG = {"rule": "fa", "lr": 0.05, "seed": 3, "widths": [16, 32], "optim": {"momentum": 0.9}}
+
+
+@pytest.fixture(scope="module")
+def base_record():
+    # environment() shells out to git; build the record once and copy it per test.
+    return records.new_record(run_id="r0", kind="conv", config=CONFIG, device="cpu")
+
+
+def filled(base, run_id="r0", **overrides):
+    record = copy.deepcopy(base)
+    record["run_id"] = run_id
+    record["trajectory"] = [
+        {
+            "epoch": 0,
+            "loss": 2.3,
+            "acc": 0.1,
+            "alignment": {"conv0": 0.93, "fc": 0.5},
+            "grad_norm": [1.0, 2.0],
+            "epoch_wall_s": 1.5,
+        },
+        {
+            "epoch": 1,
+            "loss": 1.9,
+            "acc": None,
+            "alignment": {"conv0": 0.95, "fc": 0.61},
+            "grad_norm": [0.5, 0.25],
+            "epoch_wall_s": 1.4,
+        },
+    ]
+    record["steps"] = [{"step": 0, "eta": 0.1}, {"step": 10, "eta": 0.2}]
+    record["final"] = {"test_acc": 0.81, "alignment": {"conv0": 0.9}}
+    record["work"] = {"flops": 1.0e9, "timing": {"train_wall_s": 9.0}}
+    record.update(overrides)
+    return record
+
+
+def strict_loads(text):
+    def refuse(constant):
+        raise AssertionError(f"non-strict JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# ---------------------------------------------------------------------------
+# round trip
+
+
+@pytest.mark.parametrize(
+    "value", [0.5, math.nan, math.inf, -math.inf], ids=["finite", "nan", "inf", "-inf"]
+)
+def test_round_trip_equals_saved_record(tmp_path, base_record, value):
+    record = filled(base_record)
+    record["trajectory"][1]["loss"] = value
+    record["trajectory"][1]["alignment"]["fc"] = value
+    record["final"]["grad_norms"] = [value, 1.0]
+    path = records.save_run(tmp_path / "run", record)
+
+    assert path == tmp_path / "run" / "record.json"
+    loaded = records.load_record(tmp_path / "run")
+    for got in (
+        loaded["trajectory"][1]["loss"],
+        loaded["trajectory"][1]["alignment"]["fc"],
+        loaded["final"]["grad_norms"][0],
+    ):
+        assert isinstance(got, float)
+        if math.isnan(value):
+            assert math.isnan(got)
+        else:
+            assert got == value
+    # NaN != NaN, so compare everything else exactly with the NaNs set aside.
+    for rec in (loaded, record):
+        rec["trajectory"][1]["loss"] = rec["trajectory"][1]["alignment"]["fc"] = 0.0
+        rec["final"]["grad_norms"][0] = 0.0
+    assert loaded == record
+    strict_loads(path.read_text())
+
+
+def test_load_record_accepts_the_json_path_too(tmp_path, base_record):
+    path = records.save_run(tmp_path / "run", filled(base_record))
+    assert records.load_record(path) == records.load_record(tmp_path / "run")
+
+
+def test_new_record_is_running_and_empty(base_record):
+    assert base_record["status"] == "running"
+    assert base_record["schema_version"] == records.SCHEMA_VERSION
+    assert base_record["config"] == CONFIG and base_record["config"] is not CONFIG
+    for key in ("trajectory", "steps"):
+        assert base_record[key] == []
+    for key in ("final", "work"):
+        assert base_record[key] == {}
+    assert base_record["error"] is None
+
+
+def test_new_record_rejects_a_config_json_cannot_hold():
+    with pytest.raises(RecordError, match=r"config\.act") as info:
+        records.new_record(run_id="x", kind="conv", config={"act": print})
+    assert info.value.field == "config.act"
+
+
+# ---------------------------------------------------------------------------
+# atomic writes
+
+
+def fail_json_dump(monkeypatch):
+    def broken(obj, handle, **kwargs):
+        handle.write('{"half": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(records.json, "dump", broken)
+
+
+def fail_replace(monkeypatch):
+    def broken(src, dst):
+        raise OSError("rename refused")
+
+    monkeypatch.setattr(records.os, "replace", broken)
+
+
+@pytest.mark.parametrize("break_write", [fail_json_dump, fail_replace])
+def test_failed_save_keeps_previous_record(tmp_path, base_record, monkeypatch, break_write):
+    run_dir = tmp_path / "run"
+    records.save_run(run_dir, filled(base_record))
+    before = (run_dir / "record.json").read_bytes()
+
+    break_write(monkeypatch)
+    with pytest.raises(OSError):
+        records.save_run(run_dir, filled(base_record, status="complete"))
+    monkeypatch.undo()
+
+    assert (run_dir / "record.json").read_bytes() == before
+    assert sorted(os.listdir(run_dir)) == ["metrics.parquet", "record.json"]
+    assert records.load_record(run_dir)["status"] == "running"
+
+
+def test_unserialisable_value_midway_leaves_no_file(tmp_path):
+    path = tmp_path / "x.json"
+    records.write_json_atomic(path, {"ok": 1})
+    with pytest.raises(TypeError):
+        records.write_json_atomic(path, {"a": list(range(1000)), "b": object()})
+    assert records.read_json(path) == {"ok": 1}
+    assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_failed_parquet_write_leaves_record_newer_and_metrics_rebuilt(
+    tmp_path, base_record, monkeypatch
+):
+    run_dir = tmp_path / "runs" / "run"
+    records.save_run(run_dir, filled(base_record))
+    parquet = run_dir / "metrics.parquet"
+    old = parquet.stat().st_mtime
+
+    def broken(*args, **kwargs):
+        raise OSError("quota")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", broken)
+    newer = filled(base_record, final={"test_acc": 0.99})
+    with pytest.raises(OSError):
+        records.save_run(run_dir, newer)
+    monkeypatch.undo()
+    assert sorted(os.listdir(run_dir)) == ["metrics.parquet", "record.json"]
+    # Make the staleness unambiguous whatever the filesystem's clock resolution.
+    os.utime(parquet, (old - 10, old - 10))
+
+    final = records.load_metrics(tmp_path / "runs").query("axis == 'final'")
+    assert final.set_index("metric")["value"].to_dict() == {"test_acc": 0.99}
+
+
+def test_non_finite_floats_are_written_as_strings(tmp_path):
+    path = tmp_path / "x.json"
+    records.write_json_atomic(path, {"a": [math.nan, math.inf, -math.inf], "b": {"c": 1.5}})
+    assert strict_loads(path.read_text()) == {
+        "a": ["NaN", "Infinity", "-Infinity"],
+        "b": {"c": 1.5},
+    }
+    back = records.read_json(path)
+    assert math.isnan(back["a"][0]) and back["a"][1:] == [math.inf, -math.inf]
+
+
+# ---------------------------------------------------------------------------
+# validation: every corruption names the file and the field
+
+
+def _text(edit):
+    def corrupt(text, record):
+        return edit(text)
+
+    return corrupt
+
+
+def _record(edit):
+    def corrupt(text, record):
+        edit(record)
+        return json.dumps(record)
+
+    return corrupt
+
+
+def _set(path, value):
+    def edit(record):
+        target = record
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return edit
+
+
+CORRUPTIONS = {
+    "truncated": (_text(lambda text: text[: len(text) // 2]), "<root>"),
+    "not_json": (_text(lambda text: "this is not json {"), "<root>"),
+    "json_list": (_text(lambda text: "[1, 2, 3]"), "<root>"),
+    "missing_status": (_record(lambda r: r.pop("status")), "status"),
+    "status_done": (_record(_set(["status"], "done")), "status"),
+    "schema_99": (_record(_set(["schema_version"], 99)), "schema_version"),
+    "epoch_gap": (
+        _record(lambda r: r["trajectory"].append({"epoch": 3, "loss": 1.0})),
+        "trajectory[2].epoch",
+    ),
+    "epoch_float": (_record(_set(["trajectory", 1, "epoch"], 1.5)), "trajectory[1].epoch"),
+    "metric_string": (_record(_set(["trajectory", 0, "loss"], "low")), "trajectory[0].loss"),
+    "nested_metric_string": (
+        _record(_set(["trajectory", 1, "alignment", "fc"], "n/a")),
+        "trajectory[1].alignment.fc",
+    ),
+    "config_list": (_record(_set(["config"], [1, 2])), "config"),
+    "steps_descending": (_record(_set(["steps", 1, "step"], 0)), "steps[1].step"),
+    "final_string": (_record(_set(["final", "test_acc"], "81%")), "final.test_acc"),
+    "error_number": (_record(_set(["error"], 7)), "error"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_corrupt_record_names_path_and_field(tmp_path, base_record, name):
+    corrupt, field = CORRUPTIONS[name]
+    run_dir = tmp_path / "run"
+    path = records.save_run(run_dir, filled(base_record))
+    path.write_text(corrupt(path.read_text(), json.loads(path.read_text())))
+
+    with pytest.raises(RecordError) as info:
+        records.load_record(run_dir)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"'{field}'" in message
+    assert info.value.field == field
+    assert "allowed" in message
+
+
+def test_bad_status_message_shows_value_and_choices(base_record):
+    with pytest.raises(RecordError) as info:
+        records.validate_record(filled(base_record, status="done"))
+    message = str(info.value)
+    assert "<memory>" in message and "'done'" in message
+    assert all(status in message for status in records.STATUSES)
+
+
+def test_missing_record_file_is_a_record_error(tmp_path):
+    with pytest.raises(RecordError, match="not found") as info:
+        records.load_record(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere" / "record.json") in str(info.value)
+
+
+def test_validate_returns_the_record(base_record):
+    record = filled(base_record)
+    assert records.validate_record(record) is record
+
+
+# ---------------------------------------------------------------------------
+# tidy metrics
+
+
+def count_numeric(value):
+    if isinstance(value, dict):
+        return sum(count_numeric(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(count_numeric(v) for v in value)
+    return int(isinstance(value, int | float))
+
+
+@pytest.mark.parametrize(
+    "axis, rows, key",
+    [("epoch", "trajectory", "epoch"), ("step", "steps", "step"), ("final", "final", None)],
+)
+def test_tidy_counts_match_numeric_leaves(base_record, axis, rows, key):
+    record = filled(base_record)
+    tidy = records.tidy_metrics(record)
+    section = record[rows] if isinstance(record[rows], list) else [record[rows]]
+    expected = sum(count_numeric({k: v for k, v in row.items() if k != key}) for row in section)
+    assert (tidy["axis"] == axis).sum() == expected
+
+
+def test_tidy_flattens_nested_metrics(base_record):
+    tidy = records.tidy_metrics(filled(base_record))
+    assert list(tidy.columns) == list(records.TIDY_COLUMNS)
+    assert tidy["value"].dtype == "float64" and tidy["index"].dtype == "int64"
+    values = tidy.set_index(["axis", "index", "metric"])["value"]
+    assert values[("epoch", 1, "alignment/conv0")] == 0.95
+    assert values[("epoch", 0, "grad_norm/1")] == 2.0
+    assert values[("step", 10, "eta")] == 0.2
+    assert values[("final", -1, "alignment/conv0")] == 0.9
+    assert ("epoch", 1, "acc") not in values.index  # None is not a measurement
+    assert set(tidy["run_id"]) == {"r0"}
+
+
+def test_saved_parquet_equals_tidy_metrics(tmp_path, base_record):
+    record = filled(base_record)
+    records.save_run(tmp_path / "run", record)
+    stored = pd.read_parquet(tmp_path / "run" / "metrics.parquet")
+    pd.testing.assert_frame_equal(stored, records.tidy_metrics(record))
+
+
+# ---------------------------------------------------------------------------
+# run tables
+
+
+@pytest.fixture
+def run_tree(tmp_path, base_record):
+    root = tmp_path / "runs"
+    records.save_run(root / "a" / "r0", filled(base_record, "r0", status="complete"))
+    records.save_run(root / "a" / "r1", filled(base_record, "r1", status="diverged"))
+    failed = filled(base_record, "r2", status="failed", error="RuntimeError: boom")
+    failed["config"] = {**failed["config"], "lr": 0.5}
+    failed["trajectory"] = failed["trajectory"][:1]
+    failed["final"] = {}
+    records.save_run(root / "b" / "deeper" / "r2", failed)
+    return root
+
+
+def test_load_runs_one_row_per_run(run_tree):
+    runs = records.load_runs(run_tree).set_index("run_id")
+    assert list(runs.index) == ["r0", "r1", "r2"]
+    assert runs["status"].to_dict() == {"r0": "complete", "r1": "diverged", "r2": "failed"}
+    assert runs.loc["r2", "error"] == "RuntimeError: boom"
+    assert runs["n_epochs"].to_dict() == {"r0": 2, "r1": 2, "r2": 1}
+    assert runs["config.lr"].to_dict() == {"r0": 0.05, "r1": 0.05, "r2": 0.5}
+    assert runs.loc["r0", "config.optim/momentum"] == 0.9
+    assert runs.loc["r0", "config.widths"] == (16, 32)
+    assert runs.loc["r0", "final.test_acc"] == 0.81
+    assert runs.loc["r1", "final.alignment/conv0"] == 0.9
+    assert math.isnan(runs.loc["r2", "final.test_acc"])
+    assert runs.loc["r2", "path"] == str(run_tree / "b" / "deeper" / "r2")
+
+
+def test_load_runs_names_every_corrupt_record(run_tree):
+    bad = [run_tree / "a" / "r1" / "record.json", run_tree / "b" / "deeper" / "r2" / "record.json"]
+    bad[0].write_text(bad[0].read_text()[:50])
+    bad[1].write_text(bad[1].read_text().replace('"failed"', '"done"'))
+    with pytest.raises(RecordError) as info:
+        records.load_runs(run_tree)
+    message = str(info.value)
+    assert all(str(path) in message for path in bad)
+    assert str(run_tree / "a" / "r0") not in message
+    assert [path for path, _ in info.value.problems] == bad
+
+
+def test_load_runs_on_empty_dir_has_base_columns(tmp_path):
+    runs = records.load_runs(tmp_path)
+    assert runs.empty and list(runs.columns) == list(records.RUN_COLUMNS)
+
+
+def test_load_metrics_concatenates_and_falls_back_to_record(run_tree):
+    (run_tree / "a" / "r1" / "metrics.parquet").unlink()
+    metrics = records.load_metrics(run_tree)
+    assert list(metrics.columns) == list(records.TIDY_COLUMNS)
+    expected = sum(
+        len(records.tidy_metrics(records.load_record(p))) for p in run_tree.glob("**/record.json")
+    )
+    assert len(metrics) == expected
+    assert set(metrics["run_id"]) == {"r0", "r1", "r2"}
+    assert metrics["value"].dtype == "float64"
+
+
+def test_load_metrics_on_empty_dir(tmp_path):
+    metrics = records.load_metrics(tmp_path)
+    assert metrics.empty and list(metrics.columns) == list(records.TIDY_COLUMNS)
+
+
+# ---------------------------------------------------------------------------
+# environment and reproducibility comparisons
+
+
+def test_environment_has_the_facts(base_record):
+    env = base_record["environment"]
+    expected = {"git_commit", "dirty", "python", "platform", "hostname", "packages"}
+    assert expected | {"threads", "device", "cuda", "gpu"} <= set(env)
+    assert env["threads"] == torch.get_num_threads()
+    assert env["device"] == "cpu"
+    assert isinstance(env["dirty"], bool) and isinstance(env["git_commit"], str)
+    assert set(env["packages"]) == set(records.PACKAGES)
+    assert env["packages"]["torch"] == torch.__version__
+
+
+def test_without_timings_strips_wall_clock(base_record):
+    record = filled(base_record)
+    stripped = records.without_timings(record)
+    for key in ("created", "updated", "environment"):
+        assert key not in stripped
+    assert all("epoch_wall_s" not in row for row in stripped["trajectory"])
+    assert stripped["work"] == {"flops": 1.0e9, "timing": {}}
+    assert "epoch_wall_s" in record["trajectory"][0]  # the original is untouched
+
+    other = filled(base_record)
+    other["trajectory"][0]["epoch_wall_s"] = 99.0
+    other["updated"] = "2030-01-01T00:00:00+00:00"
+    assert records.without_timings(other) == stripped
