@@ -17,6 +17,7 @@ model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -106,6 +107,21 @@ class ResNet(nn.Module):
             h = block(h, tap, 1 + 2 * b)
         pooled = h.mean(dim=tuple(range(2, h.ndim)))  # (B, 4w)
         return self.fc(pooled)  # (B, n_classes)
+
+    def layer_macs(self, example_shape: tuple[int, ...]) -> dict[str, int]:
+        """Multiply-accumulates of each Conv/Linear for one example of ``example_shape``
+        (C, *spatial), from the architecture alone (no forward pass)."""
+        spatial = list(example_shape[1:])
+        k = 3 ** self.dims
+        macs = {"stem": self.stem.out_channels * math.prod(spatial) * self.stem.in_channels * k}
+        for b, block in enumerate(self.blocks):
+            # padding 1, kernel 3: out = ceil(in / stride)
+            spatial = [-(-n // block.stride) for n in spatial]
+            c_in, c_out = block.conv1.in_channels, block.conv1.out_channels
+            macs[f"blocks.{b}.conv1"] = c_out * math.prod(spatial) * c_in * k
+            macs[f"blocks.{b}.conv2"] = c_out * math.prod(spatial) * c_out * k
+        macs["fc"] = self.fc.in_features * self.fc.out_features
+        return macs
 
     @property
     def layers(self) -> list[tuple[str, nn.Module]]:

@@ -1,6 +1,10 @@
-"""Learning rules behind one interface (see ``base.Rule``), selected by name."""
+"""Learning rules behind one interface (see ``base.Rule``), selected by name.
 
-from . import bp  # noqa: F401  (registers the rule)
+Importing this package registers every rule: bp, fa, kp, usf, brsf, frsf,
+wm, rrm, dfa, nodepert.
+"""
+
+from . import bp, dfa, feedback, mirror, nodepert  # noqa: F401  (registration)
 from .base import Rule, StepResult
 from .registry import RULES, make_rule, register, resolve_params, rule_class
 

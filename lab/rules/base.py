@@ -33,6 +33,8 @@ class NoParams:
 class StepResult:
     loss: torch.Tensor  # () batch-mean loss, detached
     logits: torch.Tensor  # (B, n_classes), detached
+    # Per population, the rule's estimate of d(sum loss)/dh; only when asked to record.
+    teaching: list[torch.Tensor] | None = None
 
 
 class Rule:
@@ -50,9 +52,33 @@ class Rule:
         """Learnable tensors the rule owns; the optimizer steps them with the model's."""
         return []
 
-    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor, step: int) -> StepResult:
-        """Write ``.grad`` for one batch (gradients are zeroed by the caller)."""
+    def compute_gradients(self, x: torch.Tensor, y: torch.Tensor, step: int | None,
+                          record: bool = False) -> StepResult:
+        """Write ``.grad`` for one batch (gradients are zeroed by the caller).
+
+        ``step`` is the optimizer step about to be taken; ``None`` marks a
+        diagnostic call, which must not change the rule's state (no mirror
+        or probe updates). ``record`` asks for the teaching signals.
+        """
         raise NotImplementedError
+
+    def prepare(self, x: torch.Tensor) -> None:
+        """Hook run once before the first step, with a batch of inputs (shapes, warm-ups)."""
+
+    def work(self, forward_macs: int, examples: int) -> dict[str, int]:
+        """Multiply-accumulates per component for ``examples`` training examples.
+
+        ``forward_macs`` is one example's forward pass. The default is a local
+        rule: the ordinary forward plus one weight correlation per layer (the
+        same MAC count as the forward); rules add their feedback, probe and
+        perturbation passes.
+        """
+        return {"forward": forward_macs * examples,
+                "local_correlation": forward_macs * examples}
+
+    def elementwise(self, examples: int) -> dict[str, int]:
+        """Element-wise operations the rule adds, reported apart from MACs."""
+        return {}
 
     def epoch_metrics(self) -> dict:
         """Per-epoch diagnostics of the rule's own state (e.g. feedback tracking)."""

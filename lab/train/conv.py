@@ -29,6 +29,8 @@ from ..data import DATASETS, load_dataset
 from ..data.augment import augment
 from ..data.batches import iterate_batches
 from ..device import resolve_device, seeded, set_threads, sync
+from ..diagnostics.alignment import alignment
+from ..diagnostics.work import bill
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -61,16 +63,19 @@ class ConvConfig:
     lr: float = bounded(0.1, 0.0, lo_open=True)
     momentum: float = bounded(0.9, 0.0, 1.0, hi_open=True)
     nesterov: bool = True
-    weight_decay: float = bounded(5e-4, 0.0)
+    weight_decay: float = bounded(1e-3, 0.0)
     schedule: str = choice("onecycle", ("onecycle", "cosine", "constant"))
     warmup_fraction: float = bounded(0.25, 0.0, 1.0, lo_open=True, hi_open=True)
-    epochs: int = bounded(30, 1)
+    epochs: int = bounded(60, 1)
     batch_size: int = bounded(128, 1)
     grad_clip: float = bounded(0.0, 0.0)  # max global grad norm; 0 = off
     # evaluation
     eval_split: str = choice("val", ("val", "test"))
     eval_every: int = bounded(1, 0)  # epochs between validation passes; 0 = never
     eval_batch_size: int = bounded(1000, 1)
+    # diagnostics: alignment with backprop on a fixed probe batch of training examples
+    alignment_every: int = bounded(0, 0)  # epochs between measurements; 0 = never
+    alignment_batch: int = bounded(256, 1)
     # run
     seed: int = bounded(0, 0)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
@@ -265,6 +270,12 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
             row["val_loss"], row["val_acc"] = _evaluate(run.model, run.data.val,
                                                         config.eval_batch_size)
         row.update(run.rule.epoch_metrics())
+        row["alignment"] = None
+        if config.alignment_every and (epoch + 1) % config.alignment_every == 0 and \
+                status != "diverged":
+            probe = run.data.train
+            n = min(config.alignment_batch, len(probe.y))
+            row["alignment"] = alignment(run.model, run.rule, probe.x[:n], probe.y[:n])
         sync(run.device)
         row["epoch_wall_s"] = time.perf_counter() - start
         trajectory.append(row)
@@ -290,7 +301,8 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
                            "train_loss": last["train_loss"], "train_acc": last["train_acc"],
                            "val_acc": last.get("val_acc")}
         record["status"] = "complete"
-    record["work"] = {"train_examples": len(trajectory) * len(run.data.train.y),
+    examples = len(trajectory) * len(run.data.train.y)
+    record["work"] = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
                       "optimizer_steps": len(trajectory) * run.steps_per_epoch}
     if out is not None:
         records.save_run(out, record)

@@ -1,0 +1,83 @@
+"""Direct feedback alignment (Nokland 2016, "Direct feedback alignment provides
+learning in deep neural networks", NeurIPS).
+
+The output error e = softmax(logits) - onehot(y) is projected straight to
+every population by a fixed random matrix D_l: teaching_l = e . D_l. Each layer
+then updates from the correlation of its input with that signal, gated by its
+own local derivative (BN and ReLU); no signal travels between layers. The
+read-out layer sees e itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import bounded, validate
+from .base import Rule, StepResult
+from .common import Segments, derive_seed, output_error
+from .feedback import check_supported
+from .registry import register
+
+
+@dataclass(frozen=True)
+class DFAParams:
+    feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # D std = scale / sqrt(K)
+    feedback_seed: int = bounded(0, 0)
+
+    def __post_init__(self):
+        validate(self)
+
+
+@register
+class DirectFeedbackAlignment(Rule):
+    name = "dfa"
+    Params = DFAParams
+
+    def __init__(self, model, params=None, *, seed=0):
+        super().__init__(model, params, seed=seed)
+        self.layers = check_supported(model, self.name)
+        self.generator = torch.Generator().manual_seed(
+            derive_seed(seed, "dfa", self.params.feedback_seed))
+        self.projections: list[torch.Tensor] | None = None  # D_l: (K, units of population l)
+
+    def _make_projections(self, populations, n_classes):
+        std = self.params.feedback_scale / math.sqrt(n_classes)
+        self.projections = [
+            (torch.randn((n_classes, h[0].numel()), generator=self.generator,
+                         dtype=torch.float64) * std).to(h)
+            for h in populations]
+
+    def teaching(self, e: torch.Tensor, populations) -> list[torch.Tensor]:
+        """e . D_l reshaped to each population. e: (B, K) -> [(B, *unit shape)]"""
+        return [(e @ d).view_as(h) for d, h in zip(self.projections, populations)]
+
+    def compute_gradients(self, x, y, step, record=False):
+        segments = Segments()
+        logits = self.model(x, tap=segments)  # (B, K)
+        if self.projections is None:
+            self._make_projections(segments.outputs, logits.shape[1])
+        loss = F.cross_entropy(logits, y)
+        loss.backward()  # the read-out only: populations are cut from it
+        signals = self.teaching(output_error(logits.detach(), y), segments.outputs)
+        segments.inject(signals, len(y))
+        return StepResult(loss.detach(), logits.detach(), signals if record else None)
+
+    def state_dict(self):
+        return {"projections": self.projections, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        like = next(self.model.parameters())
+        self.projections = (None if state["projections"] is None
+                            else [d.to(like) for d in state["projections"]])
+        self.generator.set_state(state["generator"])
+
+    def work(self, forward_macs, examples):
+        # Projection e . D_l: K x units MACs per population.
+        units = sum(d.shape[1] for d in self.projections or [])
+        k = self.projections[0].shape[0] if self.projections else 0
+        return {**super().work(forward_macs, examples),
+                "feedback_propagation": k * units * examples}

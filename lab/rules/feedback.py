@@ -1,0 +1,205 @@
+"""Feedback alignment and the rules that shape its feedback tensors.
+
+Every rule here propagates the output error layer by layer through the real
+graph (BN, ReLU, residual adds and pooling use their true derivatives), except
+that each Conv/Linear input gradient uses a feedback tensor B_l in place of
+W_l (hierarchical FA). They differ only in how B_l is made:
+
+- ``fa``  fixed random B (Lillicrap et al. 2016, Nature Communications 7:13276);
+- ``kp``  Kolen-Pollack: B receives W's update, the same correlation and the same
+  weight decay, so W - B decays geometrically (Kolen & Pollack 1994; Akrout et
+  al. 2019, "Deep learning without weight transport");
+- ``usf`` / ``brsf`` / ``frsf``  sign symmetry: B = sign(W) times a uniform
+  scale, fresh random magnitudes each step, or fixed random magnitudes (Liao,
+  Leibo & Poggio 2016, "How important is weight symmetry in backpropagation?";
+  Moskovitz et al. 2018).
+
+The weight update of every layer is the local correlation of its input with
+the teaching signal at its output, exactly what autograd computes for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..config import bounded, validate
+from ..models.layers import local_layers
+from .base import Rule
+from .bp import autograd_step
+from .common import derive_seed, kaiming_std
+from .registry import register
+
+
+@dataclass(frozen=True)
+class FeedbackParams:
+    feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # x the Kaiming std
+    feedback_seed: int = bounded(0, 0)  # mixed with the run seed
+
+    def __post_init__(self):
+        validate(self)
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """Parametrised modules no local rule can credit (not lab Conv/Linear or a norm)."""
+    allowed = tuple(type(m) for _, m in local_layers(model)) + (
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, allowed)]
+
+
+def check_supported(model: nn.Module, rule: str) -> list[tuple[str, nn.Module]]:
+    layers = local_layers(model)
+    bad = unsupported_layers(model)
+    if bad or not layers:
+        detail = ", ".join(bad) if bad else "it has no lab.models Conv/Linear layer"
+        raise ValueError(f"rule {rule!r} cannot train {type(model).__name__}: it cannot handle "
+                         f"{detail}. Build the model from lab.models.layers.Conv/Linear "
+                         "(and BatchNorm/LayerNorm/GroupNorm).")
+    return layers
+
+
+@register
+class FeedbackAlignment(Rule):
+    """Fixed random feedback tensors (``fa``)."""
+
+    name = "fa"
+    Params = FeedbackParams
+
+    def __init__(self, model, params=None, *, seed=0):
+        super().__init__(model, params, seed=seed)
+        self.layers = check_supported(model, self.name)
+        self.generator = torch.Generator().manual_seed(
+            derive_seed(seed, "feedback", self.params.feedback_seed))
+        self.feedback = [self._make_feedback(m.weight) for _, m in self.layers]
+        for (_, module), b in zip(self.layers, self.feedback):
+            module.feedback = b
+        self.steps = 0
+
+    def _make_feedback(self, weight: torch.Tensor) -> torch.Tensor:
+        scale = self.params.feedback_scale * kaiming_std(weight)
+        b = torch.randn(weight.shape, generator=self.generator, dtype=torch.float64) * scale
+        # A plain tensor, not an nn.Parameter: attached to a layer it must not join
+        # the model's parameters or state_dict (the rule saves it).
+        return b.to(weight)
+
+    def refresh(self) -> None:
+        """Recompute B from W before a step (sign-symmetry rules)."""
+
+    def compute_gradients(self, x, y, step, record=False):
+        self.refresh()
+        out = autograd_step(self.model, x, y, record)
+        if step is not None:
+            self.steps += 1
+        return out
+
+    def epoch_metrics(self):
+        return {"feedback": feedback_tracking(self.layers, self.feedback)}
+
+    def state_dict(self):
+        return {"feedback": [b.detach().clone() for b in self.feedback],
+                "generator": self.generator.get_state(), "steps": self.steps}
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            for b, saved in zip(self.feedback, state["feedback"]):
+                b.copy_(saved)
+        self.generator.set_state(state["generator"])
+        self.steps = state["steps"]
+
+    def work(self, forward_macs, examples):
+        # One input-gradient product through B per layer: the forward's MAC count.
+        return {**super().work(forward_macs, examples),
+                "feedback_propagation": forward_macs * examples}
+
+
+@register
+class KolenPollack(FeedbackAlignment):
+    """B is learned: it gets W's gradient, and the optimizer gives it W's decay."""
+
+    name = "kp"
+
+    def parameters(self):
+        return list(self.feedback)
+
+    def compute_gradients(self, x, y, step, record=False):
+        out = super().compute_gradients(x, y, step, record)
+        for (_, module), b in zip(self.layers, self.feedback):
+            b.grad = module.weight.grad.clone()
+        return out
+
+    def work(self, forward_macs, examples):
+        # The feedback update is the same correlation, applied to B as well.
+        return {**super().work(forward_macs, examples),
+                "feedback_update": forward_macs * examples}
+
+
+@register
+class UniformSignSymmetry(FeedbackAlignment):
+    """B = sign(W) x feedback_scale x Kaiming std (``usf``)."""
+
+    name = "usf"
+
+    def refresh(self):
+        with torch.no_grad():
+            for (_, module), b in zip(self.layers, self.feedback):
+                w = module.weight
+                b.copy_(torch.sign(w) * (self.params.feedback_scale * kaiming_std(w)))
+
+    def elementwise(self, examples):
+        # sign and scale of every weight, once per step (not per example).
+        return {"feedback_refresh": 2 * self.steps * sum(b.numel() for b in self.feedback)}
+
+
+@register
+class BatchRandomSignSymmetry(UniformSignSymmetry):
+    """B = sign(W) x |R|, R drawn afresh every step (``brsf``)."""
+
+    name = "brsf"
+
+    def refresh(self):
+        with torch.no_grad():
+            for (_, module), b in zip(self.layers, self.feedback):
+                w = module.weight
+                magnitude = self._make_feedback(w).abs()
+                b.copy_(torch.sign(w) * magnitude)
+
+
+@register
+class FixedRandomSignSymmetry(UniformSignSymmetry):
+    """B = sign(W) x |R|, R drawn once (``frsf``)."""
+
+    name = "frsf"
+
+    def __init__(self, model, params=None, *, seed=0):
+        super().__init__(model, params, seed=seed)
+        self.magnitudes = [b.detach().abs().clone() for b in self.feedback]
+
+    def refresh(self):
+        with torch.no_grad():
+            for (_, module), b, r in zip(self.layers, self.feedback, self.magnitudes):
+                b.copy_(torch.sign(module.weight) * r)
+
+    def state_dict(self):
+        return {**super().state_dict(), "magnitudes": [r.clone() for r in self.magnitudes]}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.magnitudes = [r.to(b) for r, b in zip(state["magnitudes"], self.feedback)]
+
+
+@torch.no_grad()
+def feedback_tracking(layers, feedback) -> dict:
+    """Per layer cos(B, W), ||B - W|| / ||W||, ||B|| / ||W||, and their summaries."""
+    cos, rel, ratio = {}, {}, {}
+    for (name, module), b in zip(layers, feedback):
+        w, bf = module.weight.flatten().double(), b.flatten().double()
+        w_norm = w.norm()
+        cos[name] = float(torch.dot(w, bf) / (w_norm * bf.norm()).clamp_min(1e-300))
+        rel[name] = float((bf - w).norm() / w_norm)
+        ratio[name] = float(bf.norm() / w_norm)
+    return {"cos": cos, "rel_err": rel, "norm_ratio": ratio,
+            "mean_cos": sum(cos.values()) / len(cos), "min_cos": min(cos.values()),
+            "mean_rel_err": sum(rel.values()) / len(rel), "max_rel_err": max(rel.values())}

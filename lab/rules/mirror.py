@@ -1,0 +1,151 @@
+"""Weight mirrors: feedback tensors learned from noise probes.
+
+Akrout, Wilson, Humphreys, Lillicrap & Tweed 2019, "Deep learning without
+weight transport" (NeurIPS). Every ``mirror_every`` steps each layer is driven
+by probes x ~ N(0, s^2) at its input, independently of the task, and its
+feedback tensor learns from the layer's response y = W x:
+
+- ``wm``  weight mirror: B += eta * corr(y, x) / s^2 - decay * B. Since
+  E[corr(Wx, x)] = s^2 W, B settles at (eta / decay) W, aligned with W.
+- ``rrm`` regression mirror: B += eta * corr(y - B x, x) / s^2, an LMS
+  regression of the probe response, which converges to W itself. It costs one
+  extra prediction pass (B x) per probe.
+
+corr(y, x) is the layer's own weight-gradient product, averaged over probes
+and output positions. Both mirrors update B directly with their own rate:
+the mirror circuit runs on its own schedule, not the task optimizer's.
+Optional ``mirror_warmup_steps`` mirror events run before the first task step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import bounded, validate
+from .feedback import FeedbackAlignment
+from .registry import register
+
+_conv_backward = torch.ops.aten.convolution_backward
+
+
+@dataclass(frozen=True)
+class MirrorParams:
+    feedback_scale: float = bounded(1.0, 0.0, lo_open=True)
+    feedback_seed: int = bounded(0, 0)
+    mirror_every: int = bounded(1, 1)  # task steps between mirror events
+    mirror_batch_size: int = bounded(32, 1)  # probes per event
+    mirror_lr: float = bounded(0.1, 0.0, 1.0, lo_open=True)
+    mirror_decay: float = bounded(0.1, 0.0, 1.0, hi_open=True)  # wm only
+    mirror_sigma: float = bounded(1.0, 0.0, lo_open=True)  # probe std s
+    mirror_warmup_steps: int = bounded(0, 0)  # mirror events before training
+
+    def __post_init__(self):
+        validate(self)
+
+
+def _layer_map(module, x, w):
+    """The layer's linear map (no bias) applied to probes x."""
+    if x.ndim == 2:
+        return x @ w.t()
+    conv = torch.nn.functional.conv1d if x.ndim == 3 else torch.nn.functional.conv2d
+    return conv(x, w, None, module.stride, module.padding)
+
+
+def _weight_product(module, x, y, weight_shape):
+    """sum over examples and output positions of y (x) input patch: W's gradient form."""
+    dims = x.ndim - 2
+    return _conv_backward(y, x, torch.empty(weight_shape, dtype=x.dtype, device=x.device),
+                          None, list(module.stride), list(module.padding), [1] * dims,
+                          False, [0] * dims, 1, [False, True, False])[1]
+
+
+def _correlation(module, x, y, weight_shape):
+    """E-normalised corr(y, x), so that E[corr(W x, x)] = s^2 W exactly.
+
+    A conv's border positions see zero padding, so each kernel offset has its
+    own count of real input samples; dividing by that count (not by the number
+    of positions) removes the padding's bias toward smaller edge taps.
+    """
+    if x.ndim == 2:
+        return y.t() @ x / len(x)
+    ones_x, ones_y = torch.ones_like(x[:1, :1]), torch.ones_like(y[:1, :1])
+    counts = _weight_product(module, ones_x, ones_y, (1, 1, *weight_shape[2:]))
+    return _weight_product(module, x, y, weight_shape) / (len(x) * counts)
+
+
+@register
+class WeightMirror(FeedbackAlignment):
+    name = "wm"
+    Params = MirrorParams
+    regression = False
+
+    def __init__(self, model, params=None, *, seed=0):
+        super().__init__(model, params, seed=seed)
+        self.input_shapes: list[tuple] | None = None
+        self.events = 0
+
+    def _capture_input_shapes(self, x):
+        shapes = {}
+        hooks = [m.register_forward_hook(
+            lambda mod, inp, out, n=name: shapes.__setitem__(n, tuple(inp[0].shape[1:])))
+            for name, m in self.layers]
+        try:
+            with torch.no_grad():
+                was_training = self.model.training
+                self.model.eval()  # no BN statistics update
+                self.model(x[:1])
+                self.model.train(was_training)
+        finally:
+            for h in hooks:
+                h.remove()
+        self.input_shapes = [shapes[name] for name, _ in self.layers]
+
+    @torch.no_grad()
+    def mirror_event(self) -> None:
+        p = self.params
+        for (_, module), b, shape in zip(self.layers, self.feedback, self.input_shapes):
+            w = module.weight
+            x = torch.randn((p.mirror_batch_size, *shape), generator=self.generator,
+                            dtype=torch.float64).to(w) * p.mirror_sigma
+            y = _layer_map(module, x, w)
+            if self.regression:
+                y = y - _layer_map(module, x, b)
+            update = _correlation(module, x, y, w.shape) / p.mirror_sigma ** 2
+            if not self.regression:
+                b.mul_(1.0 - p.mirror_decay)
+            b.add_(update, alpha=p.mirror_lr)
+        self.events += 1
+
+    def compute_gradients(self, x, y, step, record=False):
+        if self.input_shapes is None:
+            self._capture_input_shapes(x)
+        if step is not None:
+            if step == 0:
+                for _ in range(self.params.mirror_warmup_steps):
+                    self.mirror_event()
+            if step % self.params.mirror_every == 0:
+                self.mirror_event()
+        return super().compute_gradients(x, y, step, record)
+
+    def state_dict(self):
+        return {**super().state_dict(), "events": self.events}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.events = state["events"]
+
+    def work(self, forward_macs, examples):
+        # Per probe: the response W x and the correlation (and B x for rrm), each
+        # one forward's MACs summed over layers.
+        passes = 3 if self.regression else 2
+        probes = self.events * self.params.mirror_batch_size
+        return {**super().work(forward_macs, examples),
+                "mirror": passes * forward_macs * probes}
+
+
+@register
+class RegressionMirror(WeightMirror):
+    name = "rrm"
+    regression = True
