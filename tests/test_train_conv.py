@@ -153,3 +153,41 @@ def test_cli_train_and_bad_parameter(tiny, tmp_path, capsys):
 def test_cuda_run(tiny):
     record = train_conv(ConvConfig(**tiny, device="cuda"))
     assert record["status"] == "complete" and record["environment"]["device"] == "cuda"
+
+
+STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert"]
+
+
+@pytest.mark.parametrize("rule", STATEFUL_RULES)
+def test_interrupted_rule_resumes_exactly(tiny, tmp_path, monkeypatch, rule):
+    """A crash after epoch 2 and a resume give the uninterrupted record (rule state too)."""
+    config = ConvConfig(**{**tiny, "epochs": 4, "alignment_every": 2, "alignment_batch": 32},
+                        rule=rule)
+    whole = train_conv(config, tmp_path / "whole")
+    real = conv._train_epoch
+
+    def crash_at_2(run, epoch, kind):
+        if epoch == 2:
+            raise KeyboardInterrupt
+        return real(run, epoch, kind)
+
+    monkeypatch.setattr(conv, "_train_epoch", crash_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train_conv(config, tmp_path / "cut")
+    monkeypatch.setattr(conv, "_train_epoch", real)
+    resumed = train_conv(config, tmp_path / "cut")
+    assert _values(resumed) == _values(whole)
+    assert resumed["work"] == whole["work"]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_alignment_and_tracking_trajectories_are_complete(tiny, rule):
+    record = train_conv(ConvConfig(**{**tiny, "epochs": 2}, rule=rule, alignment_every=1,
+                                   alignment_batch=32))
+    assert record["status"] == "complete"
+    for row in record["trajectory"]:
+        assert set(row["alignment"]["teaching_cos"]) and set(row["alignment"]["update_cos"])
+        if rule in ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm"):
+            assert -1 <= row["feedback"]["min_cos"] <= row["feedback"]["mean_cos"] <= 1
+    assert record["work"]["macs"]["forward"] == (
+        record["work"]["forward_macs_per_example"] * record["work"]["examples"])
