@@ -86,7 +86,7 @@ def test_kp_difference_decays_geometrically():
 @pytest.mark.parametrize("name", ["wm", "rrm"])
 def test_mirrors_align_feedback_with_fixed_weights(name):
     model, x = _model("resnet2d")
-    rule = make_rule(name, model, {"mirror_batch_size": 512}, seed=0)
+    rule = make_rule(name, model, {"mirror_batch_size": 512, "mirror_every": 1}, seed=0)
     before = rule.epoch_metrics()["feedback"]["min_cos"]
     for step in range(60):
         rule.compute_gradients(x, Y, step)

@@ -27,27 +27,23 @@ class _FeedbackConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, feedback, stride, padding, dims):
         conv = F.conv1d if dims == 1 else F.conv2d
-        ctx.save_for_backward(x, weight, feedback)
+        ctx.save_for_backward(x, feedback)
         ctx.conf = (stride, padding, dims, bias is not None)
         return conv(x, weight, bias, stride, padding)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, feedback = ctx.saved_tensors
+        x, feedback = ctx.saved_tensors
         stride, padding, dims, has_bias = ctx.conf
         ones, zeros = [1] * dims, [0] * dims
-        geometry = (list(stride), list(padding), ones, False, zeros, 1)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _convolution_backward(
-                grad_out, x, feedback, None, *geometry, [True, False, False]
-            )[0]
-        want_w, want_b = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
-        if want_w or want_b:
-            bias_sizes = [weight.shape[0]] if has_bias else None
-            _, grad_w, grad_b = _convolution_backward(
-                grad_out, x, weight, bias_sizes, *geometry, [False, want_w, want_b]
-            )
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                has_bias and ctx.needs_input_grad[2]]
+        # One fused call, as backprop makes: the weight argument enters only the
+        # input gradient, so passing B there gives FA's input gradient while the
+        # weight gradient stays the correlation of x with grad_out.
+        grad_x, grad_w, grad_b = _convolution_backward(
+            grad_out, x, feedback, [feedback.shape[0]] if has_bias else None, list(stride),
+            list(padding), ones, False, zeros, 1, mask)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

@@ -34,7 +34,7 @@ _conv_backward = torch.ops.aten.convolution_backward
 class MirrorParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)
     feedback_seed: int = bounded(0, 0)
-    mirror_every: int = bounded(1, 1)  # task steps between mirror events
+    mirror_every: int = bounded(16, 1)  # task steps between mirror events
     mirror_batch_size: int = bounded(32, 1)  # probes per event
     mirror_lr: float = bounded(0.1, 0.0, 1.0, lo_open=True)
     mirror_decay: float = bounded(0.1, 0.0, 1.0, hi_open=True)  # wm only

@@ -51,8 +51,9 @@ class NodePerturbation(Rule):
         self.units = 0
 
     def _noise(self, like: torch.Tensor) -> torch.Tensor:
-        z = torch.randn(like.shape, generator=self.generator, dtype=torch.float64)
-        return (z * self.params.pert_sigma).to(like)
+        # Drawn on the CPU generator so a run gives the same noise on any device.
+        z = torch.randn(like.shape, generator=self.generator, dtype=like.dtype)
+        return (z * self.params.pert_sigma).to(like.device)
 
     @torch.no_grad()
     def estimate(self, x, y, clean_losses) -> list[torch.Tensor]:

@@ -1,0 +1,115 @@
+"""Comparing learning rules: accuracy, alignment with backprop, feedback, compute.
+
+Built on a protocol's runs (``analysis.load.ProtocolRuns``): the tidy metrics
+hold per-epoch ``alignment/update_cos/<layer>``,
+``alignment/teaching_cos/<population>`` and ``feedback/cos/<layer>``; the
+compute bill lives in each record's ``work`` section (``lab.diagnostics.work``).
+Figures use ``matplotlib.figure.Figure`` (no pyplot state).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from lab import records
+
+# Quantities the README and the comparison notebook report per rule.
+TRAJECTORY_FIELDS = ("train_loss", "alignment/mean_update_cos", "alignment/mean_teaching_cos")
+FEEDBACK_FIELDS = ("feedback/mean_cos", "feedback/min_cos", "feedback/mean_rel_err")
+FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
+
+
+def _epoch_rows(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    rows = metrics[(metrics["axis"] == "epoch") & metrics["metric"].str.startswith(prefix)]
+    rows = rows.merge(table[["run_id", "rule"]], on="run_id")
+    return rows.assign(name=rows["metric"].str[len(prefix):])
+
+
+def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    """Mean over seeds per (rule, name, epoch) of metrics ``<prefix><name>``."""
+    rows = _epoch_rows(metrics, table, prefix)
+    out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean()
+    return out.reset_index().rename(columns={"index": "epoch"})
+
+
+def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure:
+    """Test accuracy per rule: bar = mean over seeds, error bar = std, dots = seeds."""
+    fig = Figure(figsize=(7, 3.4), layout="constrained")
+    ax = fig.subplots()
+    grouped = table.groupby("rule", sort=True)[metric]
+    stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=False)
+    xs = range(len(stats))
+    ax.bar(xs, 100 * stats["mean"], yerr=100 * stats["std"].fillna(0), capsize=3, alpha=0.7)
+    for x, rule in zip(xs, stats.index):
+        values = table.loc[table["rule"] == rule, metric]
+        ax.plot([x] * len(values), 100 * values, "k.", markersize=4)
+    ax.set_xticks(list(xs), stats.index)
+    ax.set_ylabel("test accuracy (%)")
+    low = 100 * (stats["mean"] - stats["std"].fillna(0)).min()
+    ax.set_ylim(max(0.0, math.floor(low - 2)), 100)
+    return fig
+
+
+def lines_per_rule(frame: pd.DataFrame, ylabel: str, rules=None) -> Figure:
+    """One panel per rule, one line per name (layer or population) over epochs."""
+    rules = sorted(rules or frame["rule"].unique())
+    cols = min(5, len(rules)) or 1
+    rows = -(-len(rules) // cols) or 1
+    fig = Figure(figsize=(3.0 * cols, 2.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, rule in zip(axes, rules):
+        part = frame[frame["rule"] == rule]
+        names = list(dict.fromkeys(part["name"]))  # forward order: shade by depth
+        for name, line in part.groupby("name", sort=False):
+            shade = 0.15 + 0.75 * names.index(name) / max(1, len(names) - 1)
+            ax.plot(line["epoch"], line["value"], color=(shade, 0.2, 1 - shade), linewidth=1)
+        ax.set_title(rule)
+        ax.set_ylim(-1.05, 1.05)
+        ax.axhline(0, color="grey", linewidth=0.5)
+        ax.set_xlabel("epoch")
+    axes[0].set_ylabel(ylabel)
+    for ax in axes[len(rules):]:
+        ax.set_visible(False)
+    return fig
+
+
+def mean_lines(frame: pd.DataFrame, ylabel: str) -> Figure:
+    """One line per rule of the mean over names (e.g. layers) and seeds."""
+    fig = Figure(figsize=(5.5, 3.4), layout="constrained")
+    ax = fig.subplots()
+    for rule, part in frame.groupby("rule", sort=True):
+        mean = part.groupby("epoch")["value"].mean()
+        ax.plot(mean.index, mean.values, label=rule)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small", ncol=2)
+    return fig
+
+
+def compute_bill(table: pd.DataFrame, runs_dir) -> pd.DataFrame:
+    """Per rule: MACs per training example by component (mean over seeds), and total."""
+    rows = []
+    for run_id, rule in zip(table["run_id"], table["rule"]):
+        work = records.load_record(f"{runs_dir}/{run_id}")["work"]
+        examples = max(1, work["examples"])
+        rows.append({"rule": rule, **{k: v / examples for k, v in work["macs"].items()}})
+    frame = pd.DataFrame(rows).fillna(0.0).groupby("rule", sort=True).mean()
+    frame["total"] = frame.sum(axis=1)
+    return frame
+
+
+def bill_bars(bill: pd.DataFrame) -> Figure:
+    """Stacked MACs per training example, per rule, by component."""
+    fig = Figure(figsize=(7, 3.4), layout="constrained")
+    ax = fig.subplots()
+    parts = bill.drop(columns="total")
+    bottom = pd.Series(0.0, index=parts.index)
+    for component in parts.columns:
+        ax.bar(parts.index, parts[component] / 1e6, bottom=bottom / 1e6, label=component)
+        bottom += parts[component]
+    ax.set_ylabel("MMACs per training example")
+    ax.legend(fontsize="small", ncol=2)
+    return fig

@@ -1,0 +1,113 @@
+"""Step time of every rule relative to backprop, measured in one process.
+
+2-D ResNet-20 (width 16) on a CIFAR-shaped batch of 128 (3x32x32), CPU, a
+full training step (rule gradients + SGD step). Steps of the rules are
+interleaved round-robin so that machine noise hits every rule alike; the
+ratio of medians is printed. If BioTorch is installed
+(``pip install --no-deps biotorch==0.0.16``), its ``fa`` ResNet-20 is timed
+in the same rounds.
+
+    python benchmarks/bench_rules.py [--rounds 15] [--rules bp,fa,kp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lab.models import ResNet
+from lab.rules import RULES, make_rule
+
+
+def _lab_step(rule_name, x, y):
+    torch.manual_seed(0)
+    model = ResNet(20, 16, dims=2, in_channels=3)
+    rule = make_rule(rule_name, model, seed=0)
+    opt = torch.optim.SGD(list(model.parameters()) + rule.parameters(), lr=0.01, momentum=0.9)
+    state = {"step": 0}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        rule.compute_gradients(x, y, state["step"])
+        opt.step()
+        state["step"] += 1
+    return step
+
+
+def _biotorch_fa_resnet20():
+    """Our ResNet-20 with every Conv/Linear swapped for BioTorch's FA layers.
+
+    BioTorch's own model zoo imports torchvision (unusable beside the CPU
+    torch here); its layers need torch alone, and swapping them into the same
+    architecture makes the comparison about the FA machinery only.
+    """
+    from biotorch.layers.fa import Conv2d, Linear
+
+    model = ResNet(20, 16, dims=2, in_channels=3)
+    config = {"type": "fa", "options": {"init": "kaiming"}}
+
+    def conv(old):
+        return Conv2d(old.in_channels, old.out_channels, 3, old.stride[0], old.padding[0],
+                      bias=False, layer_config=dict(config))
+
+    model.stem = conv(model.stem)
+    for block in model.blocks:
+        block.conv1, block.conv2 = conv(block.conv1), conv(block.conv2)
+    model.fc = Linear(model.fc.in_features, model.fc.out_features, layer_config=dict(config))
+    return model
+
+
+def _biotorch_step(x, y):
+    try:
+        torch.manual_seed(0)
+        model = _biotorch_fa_resnet20()
+    except ImportError:  # BioTorch not installed
+        return None
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rules", default=",".join(sorted(RULES)))
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    steps = {name: _lab_step(name, x, y) for name in args.rules.split(",")}
+    bio = _biotorch_step(x, y)
+    if bio is not None:
+        steps["biotorch-fa"] = bio
+    times = {name: [] for name in steps}
+    for step in steps.values():  # warm-up: allocator, lazy shapes
+        step(), step()
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["bp"])
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch}, "
+          f"{args.rounds} rounds; median bp step {1000 * base:.1f} ms")
+    print(f"{'rule':<12} {'median ms':>10} {'/ bp':>7}")
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        print(f"{name:<12} {1000 * m:>10.1f} {m / base:>7.3f}")
+    if "biotorch-fa" in times and "fa" in times:
+        ratio = statistics.median(times["fa"]) / statistics.median(times["biotorch-fa"])
+        print(f"lab fa / BioTorch fa = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
