@@ -17,13 +17,18 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
+	# Notebooks run on kernel "python3"; this one runs the venv's interpreter (absolute path).
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c 'import lab, torch; print("installed lab with torch", torch.__version__)'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The demo protocol (bp on MNIST-1D, two seeds) on a local Dask cluster, then its
+# summary notebook rendered to HTML under reports/ (the path is printed).
 demo: $(STAMP)
-	$(VENV)/bin/lab demo
+	$(VENV)/bin/lab sweep protocols/demo.yaml
+	$(VENV)/bin/lab report protocols/demo.yaml
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -18,6 +18,9 @@ Parameters the notebook does not declare are refused before anything runs. A
 failing cell leaves the run ``failed`` with the error, and the executed
 notebook with the traceback. The kernel is ``python3`` and must be this
 interpreter (:func:`ensure_kernel`), so runs see the same installed ``lab``.
+As with papermill, the kernel starts in the caller's working directory
+(Jupyter and nbval start it in the notebook's): relative paths given as
+parameters are relative to where ``lab run``/``lab sweep`` was started.
 """
 
 from __future__ import annotations
@@ -32,20 +35,21 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import nbformat
+from typing import TYPE_CHECKING, Any
 
 from . import records
 from .config import ConfigError
+
+if TYPE_CHECKING:  # imported where used: kernels import this module for record_value
+    import nbformat
 
 RECORD_MIME = "application/vnd.lab.record+json"
 OUTPUT_NOTEBOOK = "notebook.ipynb"
 KERNEL = "python3"
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# The kernel's own INFO/WARNING chatter (e.g. "running over TCP without
+# The kernel's own INFO/WARNING/ERROR chatter (e.g. "running over TCP without
 # encryption" for a kernel on localhost) would drown a sweep's log.
-KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
+KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL"]
 
 
 class NotebookError(ValueError):
@@ -74,26 +78,27 @@ def _plain(value: Any, name: str) -> Any:
                     "allowed: numbers, strings, bools, None, and lists/dicts of those")
 
 
-def record_value(name: str, value: Any) -> Any:
-    """Record ``value`` under ``name`` in the executing notebook; returns ``value``.
+def record_value(name: str, value: Any) -> None:
+    """Record ``value`` under ``name`` in the executing notebook.
 
-    Outside a kernel it only prints ``name = value``.
+    Outside a kernel it only prints ``name = value``. Returns None, so a
+    cell ending in a record shows the value once.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"record_value: name must be a non-empty string, got {name!r}")
-    payload = {name: records._encode(_plain(value, name))}  # NaN-safe, as in records
-    text = f"{name} = {value!r}"
+    plain = _plain(value, name)
+    payload = {name: records._encode(plain)}  # NaN-safe, as in records
+    text = f"{name} = {plain!r}"
     try:
         from IPython import get_ipython
     except ImportError:  # plain Python without IPython
         get_ipython = None
     if get_ipython is None or get_ipython() is None:
         print(text)
-        return value
+        return
     from IPython.display import display
 
     display({RECORD_MIME: payload, "text/plain": text}, raw=True)
-    return value
 
 
 def _outputs_values(nb) -> dict:
@@ -134,6 +139,8 @@ def config_from(cls, namespace: Mapping):
 
 
 def _read(path) -> nbformat.NotebookNode:
+    import nbformat
+
     path = Path(path)
     if not path.is_file():
         raise NotebookError(f"notebook {path} does not exist")
@@ -238,24 +245,30 @@ class RunResult:
 
 
 @contextlib.contextmanager
-def _thread_env(threads: int | None):
-    """Thread-count variables for the kernel, which copies os.environ when it starts.
+def _kernel_env(threads: int | None, env: Mapping[str, str | None] | None):
+    """Environment for the kernel, which copies os.environ when it starts.
 
-    Set for the duration of one execution; a sweep worker runs one at a time.
+    ``threads`` sets the OMP/MKL/OpenBLAS thread counts; ``env`` sets variables
+    (None unsets one). Changed for the duration of one execution and restored:
+    a sweep worker runs one execution at a time.
     """
-    if not threads:
-        yield
-        return
-    saved = {key: os.environ.get(key) for key in THREAD_VARS}
-    os.environ.update({key: str(threads) for key in THREAD_VARS})
+    changes = dict(env or {})
+    if threads:
+        changes.update({key: str(threads) for key in THREAD_VARS})
+    saved = {key: os.environ.get(key) for key in changes}
+    _apply(changes)
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _apply(saved)
+
+
+def _apply(changes: Mapping[str, str | None]) -> None:
+    for key, value in changes.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _describe_error(err: Exception) -> str:
@@ -276,7 +289,10 @@ def _papermill(notebook: Path, target: Path, params: dict, timeout: float | None
         papermill.execute_notebook(
             str(notebook), str(target), parameters=params, kernel_name=KERNEL,
             progress_bar=False, log_output=log_output, execution_timeout=timeout,
-            extra_arguments=KERNEL_ARGS)
+            extra_arguments=KERNEL_ARGS,
+            # Every output is on disk by now and run files are written atomically;
+            # a graceful shutdown waits seconds for torch's exit handlers.
+            shutdown_kernel="immediate")
     except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
         return _describe_error(err)
     return None
@@ -332,6 +348,8 @@ def _settle_record(out: Path, run_id: str, params: dict, values: dict, error: st
 def _finish_notebook(target: Path, meta: dict) -> None:
     """Mirror the outcome into metadata.lab, written last: a run is finished only
     once this is on disk, so a kill before it never passes for complete."""
+    import nbformat
+
     nb = nbformat.read(target, as_version=4)
     meta["values"] = _outputs_values(nb)
     nb.metadata["lab"] = meta
@@ -339,14 +357,16 @@ def _finish_notebook(target: Path, meta: dict) -> None:
 
 
 def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | None = None,
-            threads: int | None = None, record: bool = True, timeout: float | None = None,
+            threads: int | None = None, env: Mapping[str, str | None] | None = None,
+            record: bool = True, timeout: float | None = None,
             log_output: bool = False) -> RunResult:
     """Execute ``notebook`` with ``params`` into ``out_dir``; see the module docstring.
 
     ``out_dir`` is passed as the ``out_dir`` parameter when the notebook
     declares one (and may not be given in ``params``). ``threads`` (default:
     ``params["threads"]`` when positive) sets OMP/MKL/OpenBLAS thread counts
-    for the kernel. ``record=False`` leaves record.json alone (reports).
+    for the kernel, and ``env`` sets (None: unsets) its environment variables.
+    ``record=False`` leaves record.json alone (reports).
     Raises ParameterError/NotebookError before running; a failing notebook
     does not raise but returns status ``failed``.
     """
@@ -367,9 +387,11 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     out.mkdir(parents=True, exist_ok=True)
     target = out / OUTPUT_NOTEBOOK
     start, started = time.perf_counter(), time.time()
-    with _thread_env(threads):
+    with _kernel_env(threads, env):
         error = _papermill(notebook, target, params, timeout, log_output)
     if not target.exists():  # papermill failed before writing anything
+        import nbformat
+
         nbformat.write(_read(notebook), str(target))
     values = read_values(target)
     status = "failed" if error else "complete"
@@ -384,6 +406,8 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
 
 def finished(run_dir) -> dict | None:
     """metadata.lab of the run's executed notebook once :func:`execute` finished it."""
+    import nbformat
+
     path = Path(run_dir) / OUTPUT_NOTEBOOK
     if not path.is_file():
         return None

@@ -28,8 +28,16 @@ is executed again (and ``train_conv`` resumes it from its checkpoint).
 Dask: a ``LocalCluster`` of single-threaded worker processes by default, or
 ``Client(address)`` for a cluster (a shared file system for ``out`` is then
 assumed, and workers should run with ``--nthreads 1``); the same code path
-either way. Each run's kernel gets ``threads_per_run`` threads, so runs do
-not oversubscribe the cores.
+either way. Each run's kernel gets ``threads_per_run`` threads (OMP/MKL
+variables, and the notebook's ``threads`` parameter when it declares one), so
+runs do not oversubscribe the cores. The thread count is part of a run's
+config (sums may round differently), so a protocol meant to reproduce across
+machines sets ``threads_per_run`` rather than relying on the core count.
+A finished run whose parameters differ from the protocol's now is reported
+as failed ("stale") rather than silently kept or overwritten.
+
+Dask starts local workers with ``spawn``: a script calling :func:`run_sweep`
+needs the ``if __name__ == "__main__":`` guard (the CLI has it).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from .config import ConfigError, bounded, field_names, validate
 SEED_KEY = "seed"
 RESERVED = ("out_dir",)  # parameters a sweep sets itself
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
+_ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
 
 
 class ProtocolError(ConfigError):
@@ -262,15 +271,19 @@ def _differences(then: dict, now: dict) -> list[str]:
 
 @dataclass
 class RunOutcome:
+    """How one run of a sweep ended (plain data: it travels back from Dask workers)."""
+
     run_id: str
     status: str  # complete | diverged | failed
     error: str | None = None
-    skipped: bool = False  # already complete: not executed this time
+    skipped: bool = False  # not executed this time (already complete, or stale)
     wall_s: float = 0.0
 
 
 @dataclass
 class SweepReport:
+    """Every run of a protocol with its outcome, in the protocol's order."""
+
     protocol: str
     out: str
     outcomes: list[RunOutcome]
@@ -291,8 +304,9 @@ class SweepReport:
                             columns=[f.name for f in dataclasses.fields(RunOutcome)])
 
     def summary(self) -> str:
+        kept = sum(o.skipped and o.status == "complete" for o in self.outcomes)
         lines = [f"{self.protocol}: {len(self.outcomes)} runs, {len(self.executed)} executed, "
-                 f"{len(self.outcomes) - len(self.executed)} already complete, "
+                 f"{kept} already complete, "
                  f"{len(self.failed)} failed in {self.wall_s:.1f} s; runs in {self.out}"]
         lines += [f"  FAILED {o.run_id}: {o.error}" for o in self.failed]
         return "\n".join(lines)
@@ -305,14 +319,34 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def kernel_env() -> dict[str, str | None]:
+    """The sweeping process's own values of what the Dask nanny sets in workers.
+
+    The nanny sets ``distributed.nanny.pre-spawn-environ`` in each worker
+    (MALLOC_TRIM_THRESHOLD_=65536 among them, which slows torch training by
+    some 15 %); a run's kernel gets the values this process had before any
+    nanny (None: unset). A LocalCluster's nannies live in this process and
+    write their values into its os.environ for good, hence the snapshot taken
+    at import. Thread counts are set per run anyway.
+    """
+    import dask
+    import distributed  # noqa: F401 (registers the distributed.* config)
+
+    from .notebook import THREAD_VARS
+
+    keys = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    return {key: _ENV_AT_IMPORT.get(key) for key in keys if key not in THREAD_VARS}
+
+
 def _execute_run(notebook: str, run_dir: str, run_id: str, params: dict,
-                 threads: int) -> dict:
+                 threads: int, env: dict) -> dict:
     """One Dask task: execute one run's notebook; never raises for a failed run."""
     from .notebook import execute
 
     start = time.perf_counter()
     try:
-        result = execute(notebook, run_dir, params, run_id=run_id, threads=threads)
+        result = execute(notebook, run_dir, params, run_id=run_id, threads=threads,
+                         env=env)
     except ConfigError as err:  # refused before running (e.g. a parameter error)
         from .notebook import mark_failed
 
@@ -339,7 +373,7 @@ def _client(scheduler: str | None, workers: int):
         yield client
 
 
-def _run_params(protocol: Protocol, spec: RunSpec, declared: dict, threads: int) -> dict:
+def _run_params(spec: RunSpec, declared: dict, threads: int) -> dict:
     params = dict(spec.params)
     if "threads" in declared and "threads" not in params:
         params["threads"] = threads
@@ -353,6 +387,22 @@ def plan(protocol: Protocol) -> tuple[list[RunSpec], dict[str, str]]:
     return specs, {s.run_id: run_state(out / s.run_id, s.params) for s in specs}
 
 
+def _not_to_run(spec: RunSpec, state: str, out: Path) -> RunOutcome | None:
+    """The outcome of a run the sweep leaves alone, or None if it must execute."""
+    if state == "complete":
+        return RunOutcome(spec.run_id, "complete", skipped=True)
+    if state == "stale":
+        # Rerunning over a finished run of other parameters would mix two
+        # configurations in one directory (and its checkpoint refuses anyway).
+        from .notebook import finished
+
+        then = (finished(out / spec.run_id) or {}).get("params", {})
+        return RunOutcome(spec.run_id, "failed", skipped=True, error=(
+            f"finished earlier with other parameters ({'; '.join(_differences(then, spec.params))}"
+            f"); delete {out / spec.run_id} to run it again"))
+    return None
+
+
 def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | None = None, *,
               progress: bool = True) -> SweepReport:
     """Execute every unfinished run of ``protocol``; see the module docstring."""
@@ -363,20 +413,16 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
     start = time.perf_counter()
     specs, states = plan(protocol)
     out = Path(protocol.out)
-    outcomes = {rid: RunOutcome(rid, "complete", skipped=True)
-                for rid, state in states.items() if state == "complete"}
-    for rid, state in states.items():
-        if state == "stale":
-            meta_params = _finished_params(out / rid)
-            spec = next(s for s in specs if s.run_id == rid)
-            outcomes[rid] = RunOutcome(rid, "failed", skipped=True, error=(
-                "finished earlier with other parameters ("
-                + "; ".join(_differences(meta_params, spec.params))
-                + f"); delete {out / rid} to run it again"))
-    todo = [s for s in specs if s.run_id not in outcomes]
+    outcomes = {}
+    for spec in specs:
+        outcome = _not_to_run(spec, states[spec.run_id], out)
+        if outcome is not None:
+            outcomes[spec.run_id] = outcome
+    todo = [spec for spec in specs if spec.run_id not in outcomes]
     if todo:
         workers = workers or protocol.workers
         declared = declared_parameters(protocol.notebook)
+        env = kernel_env()  # before a LocalCluster's nannies edit os.environ
         with _client(scheduler, workers) as client:
             n_workers = len(client.scheduler_info().get("workers", {})) or workers
             threads = protocol.threads_per_run or max(1, usable_cores() // n_workers)
@@ -384,18 +430,12 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
             for spec in todo:
                 future = client.submit(
                     _execute_run, protocol.notebook, str(out / spec.run_id), spec.run_id,
-                    _run_params(protocol, spec, declared, threads), threads,
+                    _run_params(spec, declared, threads), threads, env,
                     key=f"{spec.run_id}-{uuid.uuid4().hex[:8]}", pure=False)
                 futures[future] = spec
             outcomes.update(_collect(futures, out, protocol.name, progress, tqdm))
     return SweepReport(protocol.name, str(out), [outcomes[s.run_id] for s in specs],
                        time.perf_counter() - start)
-
-
-def _finished_params(run_dir: Path) -> dict:
-    from .notebook import finished
-
-    return (finished(run_dir) or {}).get("params", {})
 
 
 def _collect(futures: dict, out: Path, name: str, progress: bool, tqdm) -> dict:

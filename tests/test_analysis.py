@@ -1,0 +1,221 @@
+"""The analysis skeleton: protocol loading, completeness, summaries, figures, reports."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from analysis import (
+    IncompleteProtocolError,
+    check_complete,
+    curve_bands,
+    format_mean_std,
+    learning_curves,
+    load_protocol_runs,
+    run_curves,
+    summarize,
+)
+from analysis.completeness import spans
+from lab import records
+from lab.cli import main as cli_main
+from lab.notebook import execute
+
+matplotlib.use("Agg")
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "summary"
+SUMMARY = ROOT / "notebooks" / "10-summary.ipynb"
+TRAJECTORY = ["train_loss", "train_acc", "val_loss", "val_acc", "lr"]
+FINAL = ["test_loss", "test_acc"]
+
+
+@pytest.fixture
+def fixture_copy(tmp_path):
+    """The committed fixture protocol and runs, copied so a test may damage them."""
+    target = tmp_path / "summary"
+    shutil.copytree(FIXTURE, target)
+    text = (target / "protocol.yaml").read_text()
+    notebook = ROOT / "notebooks" / "01-train-conv.ipynb"
+    (target / "protocol.yaml").write_text(text.replace("../../../notebooks/01-train-conv.ipynb",
+                                                       str(notebook)))
+    return target
+
+
+def _edit(run_dir: Path, change):
+    record = records.load_record(run_dir)
+    change(record)
+    records.write_json_atomic(run_dir / "record.json", record)
+    (run_dir / "metrics.parquet").unlink(missing_ok=True)
+
+
+def test_fixture_protocol_loads_complete():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    assert data.expected_ids == ["lr-0.05_rule-bp_seed-0", "lr-0.05_rule-bp_seed-1",
+                                 "lr-0.2_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1"]
+    assert data.n_epochs == dict.fromkeys(data.expected_ids, 4)
+    assert data.group_keys == ["lr", "rule"]
+    data.check_complete(TRAJECTORY, FINAL)
+    table = data.table()
+    assert list(table["status"]) == ["complete"] * 4
+    assert {"lr", "rule", "seed", "final.test_acc"} <= set(table.columns)
+
+
+def test_every_gap_is_listed_in_one_error(fixture_copy):
+    runs = fixture_copy / "runs"
+    shutil.rmtree(runs / "lr-0.05_rule-bp_seed-1")
+    _edit(runs / "lr-0.05_rule-bp_seed-0", lambda r: r.update(
+        trajectory=r["trajectory"][:2], status="running"))
+    _edit(runs / "lr-0.2_rule-bp_seed-0", lambda r: (
+        r["trajectory"][1].update(train_loss=math.nan),
+        r["trajectory"][3].update(train_loss=math.inf),
+        r["trajectory"][2].pop("val_acc"),
+        r["final"].pop("test_acc")))
+    _edit(runs / "lr-0.2_rule-bp_seed-1", lambda r: r["final"].update(test_loss=math.nan))
+    data = load_protocol_runs(fixture_copy / "protocol.yaml")
+    with pytest.raises(IncompleteProtocolError) as err:
+        data.check_complete(TRAJECTORY, FINAL)
+    problems = err.value.problems
+    assert problems == [
+        "1 of 4 runs missing: lr-0.05_rule-bp_seed-1",
+        "lr-0.05_rule-bp_seed-0: status 'running', not 'complete'",
+        "lr-0.05_rule-bp_seed-0: epochs 2-3 missing (has 2 of 4)",
+        "lr-0.2_rule-bp_seed-0: trajectory field 'train_loss' is non-finite (inf, nan) at "
+        "epochs 1, 3",
+        "lr-0.2_rule-bp_seed-0: trajectory field 'val_acc' missing at epochs 2",
+        "lr-0.2_rule-bp_seed-0: final field 'test_acc' missing",
+        "lr-0.2_rule-bp_seed-1: final field 'test_loss' is non-finite (nan)",
+    ]
+    message = str(err.value)
+    assert message.startswith("incomplete data: 7 problem(s) across 4 expected runs")
+    assert all(problem in message for problem in problems)
+
+
+def test_missing_runs_directory_lists_every_run(fixture_copy):
+    shutil.rmtree(fixture_copy / "runs")
+    data = load_protocol_runs(fixture_copy / "protocol.yaml")
+    with pytest.raises(IncompleteProtocolError, match=r"4 of 4 runs missing"):
+        data.check_complete(TRAJECTORY, FINAL)
+
+
+def test_check_complete_is_generic():
+    # An MT-1-like trajectory: any fields, epochs per run, runs outside the protocol ignored.
+    rows = [(rid, "epoch", e, m, 1.0) for rid, n in (("a", 3), ("b", 5), ("z", 1))
+            for e in range(n) for m in ("traffic_rms", "innovation_rms")]
+    rows += [(rid, "final", -1, "loss", 0.5) for rid in ("a", "b")]
+    metrics = pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS))
+    runs = pd.DataFrame({"run_id": ["a", "b", "z"], "status": ["complete"] * 3,
+                         "error": [None] * 3})
+    check_complete(runs, metrics, ["a", "b"], {"a": 3, "b": 5}, ["traffic_rms"], ["loss"])
+    with pytest.raises(IncompleteProtocolError) as err:
+        check_complete(runs, metrics, ["a", "b"], 4, ["traffic_rms", "used_rms"], ["loss"])
+    assert err.value.problems == [
+        "a: epochs 3 missing (has 3 of 4)",
+        "a: trajectory field 'used_rms' missing at epochs 0-2",
+        "b: epochs 4 beyond the expected 4 (the run's config differs from the protocol's)",
+        "b: trajectory field 'used_rms' missing at epochs 0-3",
+    ]
+
+
+def test_spans():
+    assert spans([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8"
+    assert spans([]) == ""
+
+
+def test_summary_is_mean_and_std_over_seeds():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    summary = summarize(data.table(), data.group_keys, ["final.test_acc"])
+    assert list(summary["lr"]) == [0.05, 0.2] and list(summary["n"]) == [2, 2]
+    for lr, row in zip((0.05, 0.2), summary.itertuples(index=False)):
+        accs = [records.load_record(FIXTURE / "runs" / f"lr-{lr}_rule-bp_seed-{s}")
+                ["final"]["test_acc"] for s in (0, 1)]
+        assert row[summary.columns.get_loc("final.test_acc/mean")] == pytest.approx(
+            statistics.mean(accs), abs=1e-12)
+        assert row[summary.columns.get_loc("final.test_acc/std")] == pytest.approx(
+            statistics.stdev(accs), abs=1e-12)
+    text = format_mean_std(summary, digits=3)
+    assert text.loc[0, "final.test_acc"].count("±") == 1
+    overall = summarize(data.table(), [], ["final.test_acc"])
+    assert list(overall["group"]) == ["all runs"] and list(overall["n"]) == [4]
+    with pytest.raises(KeyError, match="final.nope"):
+        summarize(data.table(), ["lr"], ["final.nope"])
+
+
+def test_figures_draw_a_band_per_group(tmp_path):
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    fig = learning_curves(data.metrics, table, data.group_keys, ["train_loss", "val_acc"])
+    axes = fig.get_axes()
+    assert len(axes) == 2
+    assert [line.get_label() for line in axes[0].lines] == ["lr=0.05, rule=bp (n=2)",
+                                                             "lr=0.2, rule=bp (n=2)"]
+    assert len(axes[0].collections) == 2  # one seed band per group
+    bands = curve_bands(data.metrics, table, data.group_keys, "train_loss")
+    first = bands[(bands.group == "lr=0.05, rule=bp") & (bands.epoch == 0)].iloc[0]
+    losses = [records.load_record(FIXTURE / "runs" / f"lr-0.05_rule-bp_seed-{s}")
+              ["trajectory"][0]["train_loss"] for s in (0, 1)]
+    assert first["mean"] == pytest.approx(statistics.mean(losses), abs=1e-12)
+    fig.savefig(tmp_path / "curves.png")
+    trajectory = records.load_record(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-0")["trajectory"]
+    single = run_curves(trajectory, title="one run")
+    assert len(single.get_axes()) == 2 and len(single.get_axes()[0].lines) == 2
+    single.savefig(tmp_path / "run.png")
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_analysis_does_not_import_torch():
+    code = ("import sys, analysis; "
+            f"d = analysis.load_protocol_runs({str(FIXTURE / 'protocol.yaml')!r}); "
+            "d.check_complete(['train_loss'], ['test_acc']); "
+            "analysis.learning_curves(d.metrics, d.table(), d.group_keys); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_summary_notebook_records_the_summary(tmp_path):
+    result = execute(SUMMARY, tmp_path / "report", {"protocol": str(FIXTURE / "protocol.yaml")},
+                     record=False)
+    assert result.status == "complete", result.error
+    assert not (tmp_path / "report" / "record.json").exists()
+    values = result.values
+    assert values["n_runs"] == 4
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    expected = summarize(data.table(), data.group_keys, ["final.test_acc"])
+    got = {row["lr"]: row for row in values["summary"]}
+    for row in expected.itertuples(index=False):
+        assert got[row.lr]["final.test_acc/mean"] == pytest.approx(row[2], abs=1e-9)
+
+
+def test_report_refuses_incomplete_data(fixture_copy, tmp_path, capsys):
+    shutil.rmtree(fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1")
+    reports = tmp_path / "reports"
+    code = cli_main(["report", str(fixture_copy / "protocol.yaml"), "--notebook", str(SUMMARY),
+                     "--out", str(reports)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "IncompleteProtocolError" in captured.err and "lr-0.2_rule-bp_seed-1" in captured.err
+    html = reports / "fixture.html"
+    assert f"report: {html.resolve()}" in captured.out
+    assert "1 of 4 runs missing" in html.read_text()
+
+
+def test_report_renders_html(tmp_path, capsys):
+    reports = tmp_path / "reports"
+    assert cli_main(["report", str(FIXTURE / "protocol.yaml"), "--notebook", str(SUMMARY),
+                     "--out", str(reports)]) == 0
+    html = reports / "fixture.html"
+    assert f"report: {html.resolve()}" in capsys.readouterr().out
+    text = html.read_text()
+    assert "image/png" in text and "±" in text
+    # The fixture protocol names no report notebook: without --notebook that is an error.
+    assert cli_main(["report", str(FIXTURE / "protocol.yaml"), "--out", str(reports)]) == 2
+    assert "names no report notebook" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""Every committed notebook: thin, numbered, output-free, and runs under ``pytest --nbval-lax``.
+
+nbval starts each kernel in the notebook's own directory, and the training
+notebook writes its run into ``out_dir = "."``; so the notebooks run from a
+copy in a temporary directory, beside a link to ``tests/`` that keeps their
+relative fixture paths valid.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in NOTEBOOKS][:2] == ["01-train-conv.ipynb", "10-summary.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_clean_and_thin(path):
+    assert re.fullmatch(r"\d\d-[a-z0-9-]+\.ipynb", path.name), "notebooks are numbered: NN-name"
+    nb = nbformat.read(path, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    dirty = [i for i, cell in enumerate(code) if cell.outputs or cell.execution_count]
+    assert not dirty, f"{path.name}: code cells {dirty} hold outputs; clear them before committing"
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    tagged = [cell for cell in code if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1 and code[0] is tagged[0], "one parameters cell, the first code cell"
+    for node in ast.parse(tagged[0].source).body:
+        assert isinstance(node, ast.Assign), f"{path.name}: only assignments in parameters"
+        ast.literal_eval(node.value)  # literals only: papermill can override each one
+
+
+def test_notebooks_run_under_nbval(tmp_path):
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")
+    os.symlink(ROOT / "tests", tmp_path / "tests")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+         "--nbval-current-env", "--rootdir", str(tmp_path), str(tmp_path / "notebooks")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", done.stdout) and "failed" not in done.stdout
+    # The training notebook left its run beside it.
+    assert (tmp_path / "notebooks" / "record.json").exists()
