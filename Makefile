@@ -24,11 +24,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The demo protocol (bp on MNIST-1D, two seeds) on a local Dask cluster, then its
-# summary notebook rendered to HTML under reports/ (the path is printed).
+# The demo protocols on a local Dask cluster, each followed by its report notebook
+# rendered to HTML under reports/ (the paths are printed): bp on MNIST-1D with
+# two seeds, then every learning rule x 3 seeds at demo size.
 demo: $(STAMP)
 	$(VENV)/bin/lab sweep protocols/demo.yaml
 	$(VENV)/bin/lab report protocols/demo.yaml
+	$(VENV)/bin/lab sweep protocols/rules-mnist1d-demo.yaml
+	$(VENV)/bin/lab report protocols/rules-mnist1d-demo.yaml
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,7 +4,7 @@ Built on a protocol's runs (``analysis.load.ProtocolRuns``): the tidy metrics
 hold per-epoch ``alignment/update_cos/<layer>``,
 ``alignment/teaching_cos/<population>`` and ``feedback/cos/<layer>``; the
 compute bill lives in each record's ``work`` section (``lab.diagnostics.work``).
-Figures use ``matplotlib.figure.Figure`` (no pyplot state).
+Figures are ``analysis.figures.NotebookFigure`` (no pyplot state).
 """
 
 from __future__ import annotations
@@ -12,14 +12,37 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from lab import records
+
+from .completeness import IncompleteProtocolError, find_problems
+from .figures import NotebookFigure as Figure
 
 # Quantities the README and the comparison notebook report per rule.
 TRAJECTORY_FIELDS = ("train_loss", "alignment/mean_update_cos", "alignment/mean_teaching_cos")
 FEEDBACK_FIELDS = ("feedback/mean_cos", "feedback/min_cos", "feedback/mean_rel_err")
 FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
+
+
+def check_rules_complete(data) -> None:
+    """Every run complete with its alignment; rules with feedback tensors also with tracking.
+
+    ``data`` is a ``ProtocolRuns`` whose grid has a ``rule`` key. One error lists
+    every gap across both checks.
+    """
+    n_epochs = {run_id: n or 0 for run_id, n in data.n_epochs.items()}
+    problems = find_problems(data.runs, data.metrics, data.expected_ids, n_epochs,
+                             TRAJECTORY_FIELDS, ("test_acc",))
+    with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
+    present = set(data.runs["run_id"])
+    problems += find_problems(data.runs, data.metrics, [i for i in with_feedback if i in present],
+                              n_epochs, FEEDBACK_FIELDS)
+    problems = list(dict.fromkeys(problems))  # a bad status would be listed twice
+    if problems:
+        lines = "\n".join(f"  - {line}" for line in problems)
+        raise IncompleteProtocolError(
+            f"incomplete data: {len(problems)} problem(s) across {len(data.expected_ids)} "
+            f"expected runs (only complete data is summarised):\n{lines}", problems)
 
 
 def _epoch_rows(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
