@@ -219,3 +219,11 @@ def test_unsupported_model_names_its_layers(name):
 def test_unknown_rule_lists_known():
     with pytest.raises(ConfigError, match=r"unknown rule 'hebb'; known rules: bp, brsf"):
         make_rule("hebb", nn.Linear(2, 2))
+
+
+def test_per_example_cosine_skips_examples_without_gradient():
+    from lab.diagnostics.alignment import cosine_per_example
+    a = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    b = torch.tensor([[1.0, 0.0], [1.0, 0.0], [-1.0, -1.0]])
+    assert abs(cosine_per_example(a, b)) < 1e-12  # mean of (1, -1); the zero row is undefined
+    assert cosine_per_example(a[1:2], b[1:2]) != cosine_per_example(a[1:2], b[1:2])  # NaN

@@ -60,9 +60,19 @@ def backprop_reference(model, x, y):
     return recorder.teaching(), _weight_grads(layers)
 
 
-def _cosine_per_example(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a.flatten(1).double(), b.flatten(1).double(), dim=1,
-                                     eps=1e-300).mean())
+def cosine_per_example(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over examples of cos(a_i, b_i), over the examples where both are non-zero.
+
+    A confidently classified example can have an exactly zero gradient (the
+    float32 softmax saturates); its cosine is undefined, not zero, so it is left
+    out rather than turned into a NaN or a fake 0. NaN only if no example is left.
+    """
+    a, b = a.flatten(1).double(), b.flatten(1).double()  # (B, units)
+    norms = a.norm(dim=1) * b.norm(dim=1)
+    keep = norms > 0
+    if not keep.any():
+        return float("nan")
+    return float(((a * b).sum(1)[keep] / norms[keep]).mean())
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +91,7 @@ def alignment(model, rule, x, y, population_names=None) -> dict:
         rule_grads = _weight_grads(layers)
         true_teaching, true_grads = backprop_reference(model, x, y)
     names = names or [f"population{i}" for i in range(len(true_teaching))]
-    teaching = {n: _cosine_per_example(t, g)
+    teaching = {n: cosine_per_example(t, g)
                 for n, t, g in zip(names, out.teaching, true_teaching)}
     update = {n: _cosine(rule_grads[n], true_grads[n]) for n, _ in layers}
     return {"teaching_cos": teaching, "update_cos": update,
