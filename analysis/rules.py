@@ -136,3 +136,30 @@ def bill_bars(bill: pd.DataFrame) -> Figure:
     ax.set_ylabel("MMACs per training example")
     ax.legend(fontsize="small", ncol=2)
     return fig
+
+
+def _last_epoch_mean(data, table: pd.DataFrame, metric: str) -> pd.Series:
+    m = data.metrics
+    rows = m[(m["axis"] == "epoch") & (m["metric"] == metric)]
+    last = rows.groupby("run_id")["index"].transform("max") == rows["index"]
+    rows = rows[last].merge(table[["run_id", "rule"]], on="run_id")
+    return rows.groupby("rule")["value"].mean()
+
+
+def rules_table(data) -> pd.DataFrame:
+    """The README's table: per rule, test accuracy (mean, std over seeds, in %), its gap
+    to bp in points, last-epoch alignment and feedback cosine (means over seeds), and
+    MACs per training example as a multiple of one forward pass."""
+    table = data.table()
+    acc = table.groupby("rule")["final.test_acc"].agg(["mean", "std"]) * 100
+    bill = compute_bill(table, data.runs_dir)
+    forward = bill["forward"]
+    out = pd.DataFrame({
+        "test_acc_mean": acc["mean"], "test_acc_std": acc["std"],
+        "vs_bp": acc["mean"] - acc["mean"].get("bp", float("nan")),
+        "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos"),
+        "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos"),
+        "feedback_cos": _last_epoch_mean(data, table, "feedback/mean_cos"),
+        "macs_x_forward": bill["total"] / forward,
+    })
+    return out.sort_values("test_acc_mean", ascending=False)

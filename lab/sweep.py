@@ -83,6 +83,9 @@ class Protocol:
     workers: int = bounded(2, 1)
     threads_per_run: int = bounded(0, 0)  # 0 = usable cores // workers
     report: str = ""  # the analysis notebook `lab report` executes; "" = none
+    # grid key -> {grid value -> {parameter: value}}: settings that belong to one
+    # grid value (e.g. a rule's own learning rate), applied over `fixed`.
+    overrides: dict = dataclasses.field(default_factory=dict)
     source: str = ""  # the YAML file it came from
 
     def __post_init__(self):
@@ -103,10 +106,35 @@ class Protocol:
         if both:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(both)} are both fixed and in "
                                 "the grid; keep each in one place")
+        self._check_overrides()
         reserved = sorted(set(RESERVED) & (set(self.grid) | set(self.fixed)))
         if reserved:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(reserved)} are set by the "
                                 "sweep (each run's directory under `out`); remove them")
+
+
+    def _check_overrides(self) -> None:
+        for key, table in self.overrides.items():
+            if key not in self.grid or not isinstance(table, dict):
+                raise ProtocolError(
+                    f"Protocol.overrides[{key!r}] must map values of the grid key {key!r} "
+                    f"to parameter mappings; grid keys: {', '.join(sorted(self.grid))}")
+            for value, params in table.items():
+                if value not in self.grid[key] or not isinstance(params, dict):
+                    raise ProtocolError(
+                        f"Protocol.overrides[{key!r}][{value!r}] must be a mapping for a value "
+                        f"in grid[{key!r}] = {self.grid[key]!r}")
+                clash = sorted(set(params) & set(self.grid))
+                if clash:
+                    raise ProtocolError(f"Protocol.overrides[{key!r}][{value!r}] sets grid "
+                                        f"key(s) {', '.join(clash)}; override fixed ones only")
+
+    def overrides_for(self, point: dict) -> dict:
+        """The override parameters that apply to one grid point."""
+        out = {}
+        for key, table in sorted(self.overrides.items()):
+            out.update(table.get(point[key], {}))
+        return out
 
 
 @dataclass(frozen=True)
@@ -180,7 +208,9 @@ def _check_notebook(protocol: Protocol) -> None:
         raise ProtocolError(f"protocol {protocol.source}: notebook {notebook} does not exist; "
                             f"notebooks in {notebook.parent}: {', '.join(near) or 'none'}")
     try:
-        check_parameters(notebook, {**protocol.fixed, **protocol.grid})
+        overridden = {k: v for table in protocol.overrides.values() for params in
+                      table.values() for k, v in params.items()}
+        check_parameters(notebook, {**protocol.fixed, **overridden, **protocol.grid})
     except (NotebookError, ParameterError) as err:
         raise ProtocolError(f"protocol {protocol.source}: {err}") from None
 
@@ -217,7 +247,8 @@ def expand(protocol: Protocol) -> list[RunSpec]:
     specs = []
     for values in itertools.product(*(protocol.grid[key] for key in keys)):
         point = dict(zip(keys, values))
-        specs.append(RunSpec(run_id_for(point), {**protocol.fixed, **point}, point))
+        params = {**protocol.fixed, **protocol.overrides_for(point), **point}
+        specs.append(RunSpec(run_id_for(point), params, point))
     counts = Counter(spec.run_id for spec in specs)
     duplicated = sorted(run_id for run_id, n in counts.items() if n > 1)
     if duplicated:

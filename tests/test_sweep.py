@@ -58,6 +58,12 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"grid": {"x": []}}, r"grid values must be non-empty lists; got x: \[\]"),
     ({"grid": {"x": 3}}, r"grid values must be non-empty lists; got x: 3"),
     ({"grid": {"x": [1, 1]}}, r"duplicate run ids: x-1 from \{\"x\": 1\} and \{\"x\": 1\}"),
+    ({"overrides": {"y": {1: {"fail_on": 1}}}}, r"overrides\['y'\] must map values of the grid "
+     r"key 'y'"),
+    ({"overrides": {"x": {3: {"fail_on": 1}}}}, r"overrides\['x'\]\[3\] must be a mapping for "
+     r"a value in grid\['x'\] = \[1, 2\]"),
+    ({"overrides": {"x": {1: {"x": 2}}}}, r"overrides\['x'\]\[1\] sets grid key\(s\) x"),
+    ({"overrides": {"x": {1: {"lr": 2}}}}, r"does not declare parameter\(s\) 'lr'"),
     ({"grid": {"x": ["a b", "a-b"]}}, r"duplicate run ids: x-a-b"),
     ({"fixed": {"x": 1}}, r"x are both fixed and in the grid"),
     ({"fixed": {"out_dir": "/tmp"}}, r"out_dir are set by the sweep"),
@@ -93,6 +99,13 @@ def test_paths_are_relative_to_the_protocol_file(tmp_path):
     protocol = load_protocol(write_protocol(tmp_path / "sub" / "p.yaml", notebook=rel))
     assert Path(protocol.notebook) == ECHO.resolve()
     assert Path(protocol.out) == (tmp_path / "sub" / "runs").resolve()
+
+
+def test_overrides_apply_to_their_grid_value_only(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", fixed={"fail_on": 0},
+                          overrides={"x": {2: {"fail_on": 5}}})
+    params = {spec.run_id: spec.params for spec in expand(load_protocol(path))}
+    assert params == {"x-1": {"fail_on": 0, "x": 1}, "x-2": {"fail_on": 5, "x": 2}}
 
 
 def test_expand_gives_stable_readable_ids():
