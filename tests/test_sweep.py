@@ -18,7 +18,8 @@ import yaml
 from lab import records
 from lab.cli import main as cli_main
 from lab.cli import runs_table
-from lab.notebook import read_values
+from lab.config import field_names
+from lab.notebook import notebook_defaults, read_values
 from lab.sweep import (
     Protocol,
     ProtocolError,
@@ -30,6 +31,7 @@ from lab.sweep import (
     run_state,
     run_sweep,
 )
+from lab.train import ConvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO = ROOT / "tests" / "fixtures" / "notebooks" / "echo.ipynb"
@@ -126,8 +128,19 @@ def test_demo_protocol():
     specs = expand(protocol)
     assert [s.run_id for s in specs] == ["rule-bp_seed-0", "rule-bp_seed-1"]
     assert specs[0].params["depth"] == 20 and specs[0].params["width"] == 16
-    assert specs[0].params["epochs"] == 30 and specs[0].params["dataset"] == "mnist1d"
+    # The demo trains with the documented recipe: ConvConfig's default epochs.
+    assert specs[0].params["epochs"] == ConvConfig().epochs
     assert Path(protocol.report).name == "10-summary.ipynb"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "protocols").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_protocol_builds_valid_configs(path):
+    protocol = load_protocol(path)
+    defaults = notebook_defaults(protocol.notebook)
+    for spec in expand(protocol):
+        params = {**defaults, **spec.params}
+        ConvConfig(**{name: params[name] for name in field_names(ConvConfig)})
 
 
 # ---------------------------------------------------------------------------
