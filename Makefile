@@ -29,8 +29,10 @@ install: $(STAMP)
 # two seeds, then every learning rule x 3 seeds at demo size.
 demo: $(STAMP)
 	$(VENV)/bin/lab sweep protocols/demo.yaml
+	$(VENV)/bin/lab runs protocols/demo.yaml
 	$(VENV)/bin/lab report protocols/demo.yaml
 	$(VENV)/bin/lab sweep protocols/rules-mnist1d-demo.yaml
+	$(VENV)/bin/lab runs protocols/rules-mnist1d-demo.yaml
 	$(VENV)/bin/lab report protocols/rules-mnist1d-demo.yaml
 
 lint: $(STAMP)
