@@ -227,3 +227,23 @@ def test_per_example_cosine_skips_examples_without_gradient():
     b = torch.tensor([[1.0, 0.0], [1.0, 0.0], [-1.0, -1.0]])
     assert abs(cosine_per_example(a, b)) < 1e-12  # mean of (1, -1); the zero row is undefined
     assert cosine_per_example(a[1:2], b[1:2]) != cosine_per_example(a[1:2], b[1:2])  # NaN
+
+
+def _constrained_params():
+    import dataclasses
+    for name in sorted(RULES):
+        for f in dataclasses.fields(RULES[name].Params):
+            if "range" in f.metadata:
+                yield name, f
+
+
+@pytest.mark.parametrize("name, f", list(_constrained_params()),
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_every_rule_parameter_refuses_out_of_range(name, f):
+    lo, hi, lo_open, hi_open = f.metadata["range"]
+    bad = (lo if lo_open else lo - 1) if lo is not None else (hi if hi_open else hi + 1)
+    bad = float(bad) if isinstance(f.default, float) else int(bad)
+    with pytest.raises(ConfigError, match=rf"{f.name}={bad!r} is out of range; allowed: "):
+        resolve_params(name, {f.name: bad})
+    with pytest.raises(ConfigError, match=rf"{f.name} must be"):
+        resolve_params(name, {f.name: "x"})
