@@ -87,7 +87,7 @@ def record_value(name: str, value: Any) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"record_value: name must be a non-empty string, got {name!r}")
     plain = _plain(value, name)
-    payload = {name: records._encode(plain)}  # NaN-safe, as in records
+    payload = {name: records.encode_nonfinite(plain)}  # NaN-safe, as in records
     text = f"{name} = {plain!r}"
     try:
         from IPython import get_ipython
@@ -119,7 +119,7 @@ def read_values(executed_notebook) -> dict:
     """
     nb = _read(executed_notebook)
     values = _outputs_values(nb) or nb.metadata.get("lab", {}).get("values", {})
-    return records._decode(dict(values))
+    return records.decode_nonfinite(dict(values))
 
 
 def config_from(cls, namespace: Mapping):
@@ -353,7 +353,7 @@ def _finish_notebook(target: Path, meta: dict) -> None:
     nb = nbformat.read(target, as_version=4)
     meta["values"] = _outputs_values(nb)
     nb.metadata["lab"] = meta
-    records._atomic_write(target, lambda tmp: nbformat.write(nb, str(tmp)))
+    records.atomic_write(target, lambda tmp: nbformat.write(nb, str(tmp)))
 
 
 def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | None = None,
@@ -400,7 +400,7 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     meta = {"run_id": run_id, "source": str(notebook.resolve()), "params": params,
             "status": status, "error": error}
     _finish_notebook(target, meta)
-    return RunResult(run_id, out, target, status, error, records._decode(values),
+    return RunResult(run_id, out, target, status, error, records.decode_nonfinite(values),
                      time.perf_counter() - start)
 
 
@@ -425,7 +425,7 @@ def render_html(executed_notebook, html_path) -> Path:
     body, _ = HTMLExporter().from_notebook_node(_read(executed_notebook))
     html_path = Path(html_path)
     html_path.parent.mkdir(parents=True, exist_ok=True)
-    records._atomic_write(html_path, lambda tmp: tmp.write_text(body, encoding="utf-8"))
+    records.atomic_write(html_path, lambda tmp: tmp.write_text(body, encoding="utf-8"))
     return html_path
 
 

@@ -187,7 +187,8 @@ def new_record(*, run_id: str, kind: str, config: dict, device: str | None = Non
 # strict JSON with non-finite floats, written atomically
 
 
-def _encode(obj: Any) -> Any:
+def encode_nonfinite(obj: Any) -> Any:
+    """Non-finite floats -> "NaN"/"Infinity"/"-Infinity", recursively: strict JSON."""
     if isinstance(obj, float | np.floating):
         value = float(obj)
         if math.isnan(value):
@@ -195,25 +196,26 @@ def _encode(obj: Any) -> Any:
         return _NONFINITE_TO_STR.get(value, value)
     if isinstance(obj, np.generic | np.ndarray):
         # numpy scalars/arrays sneak in from metrics code; store their Python values.
-        return _encode(obj.tolist())
+        return encode_nonfinite(obj.tolist())
     if isinstance(obj, dict):
-        return {key: _encode(value) for key, value in obj.items()}
+        return {key: encode_nonfinite(value) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_encode(value) for value in obj]
+        return [encode_nonfinite(value) for value in obj]
     return obj
 
 
-def _decode(obj: Any) -> Any:
+def decode_nonfinite(obj: Any) -> Any:
+    """The inverse of :func:`encode_nonfinite`."""
     if isinstance(obj, str):
         return _STR_TO_NONFINITE.get(obj, obj)
     if isinstance(obj, dict):
-        return {key: _decode(value) for key, value in obj.items()}
+        return {key: decode_nonfinite(value) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [_decode(value) for value in obj]
+        return [decode_nonfinite(value) for value in obj]
     return obj
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename over ``path``; never leave a half file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +247,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def write_json_atomic(path, obj) -> None:
     """Write ``obj`` as strict JSON to ``path`` via temp file + fsync + rename."""
-    encoded = _encode(obj)
+    encoded = encode_nonfinite(obj)
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -254,13 +256,13 @@ def write_json_atomic(path, obj) -> None:
             handle.flush()
             os.fsync(handle.fileno())
 
-    _atomic_write(Path(path), write)
+    atomic_write(Path(path), write)
 
 
 def read_json(path) -> object:
     """Read JSON written by ``write_json_atomic``, restoring NaN/inf floats."""
     with open(path, encoding="utf-8") as handle:
-        return _decode(json.load(handle))
+        return decode_nonfinite(json.load(handle))
 
 
 # ---------------------------------------------------------------------------
@@ -437,7 +439,7 @@ def save_run(run_dir, record) -> Path:
     write_json_atomic(path, record)
     # The record is the source of truth; the parquet is derived, so it goes second.
     metrics = tidy_metrics(record)
-    _atomic_write(
+    atomic_write(
         run_dir / METRICS_FILE, lambda tmp: metrics.to_parquet(tmp, engine="pyarrow", index=False)
     )
     return path

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from ..records import atomic_write
 
 
 class CheckpointError(ValueError):
@@ -15,18 +16,14 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write to a temp file beside ``path`` and rename: a kill leaves the old one whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(Path(path), lambda tmp: _save_synced(state, tmp))
+
+
+def _save_synced(state: dict, tmp: Path) -> None:
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
 
 
 def load_checkpoint(path: Path, config: dict) -> dict:
