@@ -142,11 +142,14 @@ class UniformSignSymmetry(FeedbackAlignment):
 
     name = "usf"
 
+    def magnitude(self, index: int, weight: torch.Tensor):
+        """|B| for layer ``index``; the sign always comes from W."""
+        return self.params.feedback_scale * kaiming_std(weight)
+
     def refresh(self):
         with torch.no_grad():
-            for (_, module), b in zip(self.layers, self.feedback):
-                w = module.weight
-                b.copy_(torch.sign(w) * (self.params.feedback_scale * kaiming_std(w)))
+            for i, ((_, module), b) in enumerate(zip(self.layers, self.feedback)):
+                b.copy_(torch.sign(module.weight) * self.magnitude(i, module.weight))
 
     def elementwise(self, examples):
         # sign and scale of every weight, once per step (not per example).
@@ -159,12 +162,8 @@ class BatchRandomSignSymmetry(UniformSignSymmetry):
 
     name = "brsf"
 
-    def refresh(self):
-        with torch.no_grad():
-            for (_, module), b in zip(self.layers, self.feedback):
-                w = module.weight
-                magnitude = self._make_feedback(w).abs()
-                b.copy_(torch.sign(w) * magnitude)
+    def magnitude(self, index, weight):
+        return self._make_feedback(weight).abs()
 
 
 @register
@@ -177,10 +176,8 @@ class FixedRandomSignSymmetry(UniformSignSymmetry):
         super().__init__(model, params, seed=seed)
         self.magnitudes = [b.detach().abs().clone() for b in self.feedback]
 
-    def refresh(self):
-        with torch.no_grad():
-            for (_, module), b, r in zip(self.layers, self.feedback, self.magnitudes):
-                b.copy_(torch.sign(module.weight) * r)
+    def magnitude(self, index, weight):
+        return self.magnitudes[index]
 
     def state_dict(self):
         return {**super().state_dict(), "magnitudes": [r.clone() for r in self.magnitudes]}
