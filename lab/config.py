@@ -16,6 +16,16 @@ import types
 import typing
 from typing import Any
 
+# Fields that change what is shown, never what is computed: they are left out of a
+# run's identity (resume and sweep comparisons), so toggling a progress bar
+# never makes a finished run look stale or refuses a resume.
+DISPLAY_ONLY = frozenset({"progress"})
+
+
+def identity(config: dict) -> dict:
+    """A config dict without its display-only fields: what makes two runs the same run."""
+    return {key: value for key, value in config.items() if key not in DISPLAY_ONLY}
+
 
 class ConfigError(ValueError):
     """A configuration key or value that the config does not allow."""

@@ -1,0 +1,115 @@
+"""One process at a time in a run directory: an OS file lock that dies with its holder.
+
+A run directory is locked (``fcntl``-style lock through the ``filelock``
+library) while a process trains or executes in it, so two sweeps never run
+the same run and a refused attempt cannot touch a finished one. The kernel
+releases the lock when the holder dies, so a ``kill -9`` never leaves it
+stuck. The holder writes its pid beside the lock, which lets ``lab runs`` tell
+a live run (``running``, pid) from an interrupted one (the record says
+``running`` but nobody holds the lock).
+
+A parent that holds the lock for a child doing the work (the sweep holds it
+while the notebook kernel trains) exports ``LAB_RUN_LOCK=<absolute run dir>``
+to the child; :func:`hold` in the child then does not try to lock again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+LOCK_FILE = ".lock"
+PID_FILE = ".lock.pid"
+ENV = "LAB_RUN_LOCK"
+
+
+class RunLocked(RuntimeError):
+    """The run directory is held by another live process."""
+
+    def __init__(self, run_dir: Path, pid: int | None):
+        who = f"process {pid}" if pid else "another process"
+        super().__init__(f"run directory {run_dir} is in use by {who}; wait for it to finish "
+                         "(or stop that process) and run again")
+        self.run_dir, self.pid = run_dir, pid
+
+
+class RunLock:
+    """A held lock on one run directory; ``release()`` (or leaving ``with``) frees it."""
+
+    def __init__(self, run_dir: Path, lock: FileLock | None):
+        self.run_dir, self._lock = run_dir, lock
+
+    def release(self) -> None:
+        if self._lock is not None and self._lock.is_locked:
+            (self.run_dir / PID_FILE).unlink(missing_ok=True)
+            self._lock.release()
+        self._lock = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _file_lock(run_dir: Path) -> FileLock:
+    # thread_local=False: a sweep worker may take and release it from different threads.
+    return FileLock(run_dir / LOCK_FILE, thread_local=False)
+
+
+def acquire(run_dir) -> RunLock:
+    """Lock ``run_dir`` (created if missing) without waiting; RunLocked if it is held."""
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _file_lock(run_dir)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise RunLocked(run_dir, _pid(run_dir)) from None
+    (run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+    return RunLock(run_dir, lock)
+
+
+def _pid(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def holder(run_dir) -> int | None:
+    """The pid of the live process holding ``run_dir`` (0 if unknown), or None if free."""
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / LOCK_FILE).exists():
+        return None
+    lock = _file_lock(run_dir)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return _pid(run_dir) or 0
+    except OSError:  # a read-only directory: nobody can be training in it
+        return None
+    lock.release()
+    return None
+
+
+def held_by_parent(run_dir) -> bool:
+    """True when a parent process holds ``run_dir``'s lock for us (``LAB_RUN_LOCK``)."""
+    given = os.environ.get(ENV)
+    return bool(given) and Path(given).resolve() == Path(run_dir).resolve()
+
+
+@contextlib.contextmanager
+def hold(run_dir):
+    """Hold ``run_dir`` for the block, unless a parent already holds it for this process."""
+    if held_by_parent(run_dir):
+        yield RunLock(Path(run_dir).resolve(), None)
+        return
+    lock = acquire(run_dir)
+    try:
+        yield lock
+    finally:
+        lock.release()
