@@ -1,15 +1,17 @@
 """Refuse incomplete data: one error listing everything a protocol's runs lack.
 
-``check_complete`` is generic over trainers and protocols: the caller gives the
-expected run ids (from the protocol), the expected number of epochs (from the
-config, per run or for all), the per-epoch trajectory fields and the final
-fields that must be present and finite. Every missing run, unfinished run,
-missing or extra epoch, missing field and non-finite value is collected into
-one :class:`IncompleteProtocolError`, so a researcher fixes everything in one
+What a complete run holds is what its trainer declared and the record stores
+(``expect``: axis, row count, stride, metrics required on every row, periodic
+metrics, final metrics; see ``lab.lifecycle.Expectation``), so the check works
+on any axis and for any trainer without reading a trainer's parameters. An
+analysis may require more (``row_metrics``, ``final_metrics``: e.g. the
+rule comparison needs alignment). Every missing run, unfinished run, missing
+or extra row, missing field and non-finite value is collected into one
+:class:`IncompleteProtocolError`, so a researcher fixes everything in one
 pass instead of one problem per rerun.
 
 Input tables are those of ``lab.records``: ``runs`` from ``load_runs`` (one row
-per run, ``run_id`` and ``status`` at least) and ``metrics`` from
+per run: ``run_id``, ``status``, ``error``, ``expect``) and ``metrics`` from
 ``load_metrics`` (tidy rows run_id, axis, index, metric, value). A metric that
 was recorded as null is absent from the tidy table, so it counts as missing.
 """
@@ -17,7 +19,7 @@ was recorded as null is absent from the tidy table, so it counts as missing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import pandas as pd
 
@@ -30,104 +32,125 @@ class IncompleteProtocolError(ValueError):
         self.problems = problems
 
 
-def spans(indices: Iterable[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``: epoch lists that stay readable."""
+def spans(indices: Iterable[int], stride: int = 1) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``: index lists that stay readable.
+
+    With ``stride``, neighbours are ``stride`` apart (steps logged every 5: 15-25 is 15, 20, 25).
+    """
     values = sorted(set(int(i) for i in indices))
     parts, start = [], None
     for i, value in enumerate(values):
         if start is None:
             start = value
-        if i + 1 == len(values) or values[i + 1] != value + 1:
+        if i + 1 == len(values) or values[i + 1] != value + stride:
             parts.append(str(start) if start == value else f"{start}-{value}")
             start = None
     return ", ".join(parts)
 
 
-def _expected_epochs(n_epochs: int | Mapping[str, int], run_id: str) -> int:
-    return n_epochs[run_id] if isinstance(n_epochs, Mapping) else n_epochs
+def _named(rows: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Rows of metric ``name``, or of every metric under the prefix ``name`` ending in "/"."""
+    if name.endswith("/"):
+        return rows[rows["metric"].str.startswith(name)]
+    return rows[rows["metric"] == name]
 
 
-def _trajectory_problems(run_id: str, rows: pd.DataFrame, n: int,
-                         fields: list[str]) -> list[str]:
+def _field_problems(run_id: str, rows: pd.DataFrame, axis: str, name: str,
+                    required: set[int], stride: int) -> list[str]:
     problems = []
+    group = _named(rows, name)
+    what = f"{'metrics under' if name.endswith('/') else 'field'} {name!r}"
+    absent = sorted(required - set(group["index"]))
+    if absent:
+        problems.append(f"{run_id}: {what} missing at {axis}s {spans(absent, stride)}")
+    bad = group[group["index"].isin(required) & ~group["value"].map(math.isfinite)]
+    if len(bad):
+        shown = ", ".join(sorted(set(map(str, bad["value"]))))
+        where = spans(bad["index"], stride)
+        if name.endswith("/"):
+            shown += " in " + ", ".join(sorted(set(bad["metric"])))
+        problems.append(f"{run_id}: {what} is non-finite ({shown}) at {axis}s {where}")
+    return problems
+
+
+def _row_problems(run_id: str, rows: pd.DataFrame, expect: dict,
+                  row_metrics: list[str]) -> list[str]:
+    axis, count, stride = expect["axis"], expect["count"], expect.get("stride", 1)
+    wanted = [i * stride for i in range(count)]
     present = set(rows["index"])
-    missing = sorted(set(range(n)) - present)
+    problems = []
+    missing = sorted(set(wanted) - present)
     if missing:
-        problems.append(f"{run_id}: epochs {spans(missing)} missing "
-                        f"(has {len(present & set(range(n)))} of {n})")
-    extra = sorted(present - set(range(n)))
+        problems.append(f"{run_id}: {axis}s {spans(missing, stride)} missing "
+                        f"(has {len(present & set(wanted))} of {count} rows)")
+    extra = sorted(present - set(wanted))
     if extra:
-        problems.append(f"{run_id}: epochs {spans(extra)} beyond the expected {n} "
-                        "(the run's config differs from the protocol's)")
-    by_field = {name: group for name, group in rows.groupby("metric")}
-    for field in fields:
-        group = by_field.get(field)
-        have = set() if group is None else set(group["index"])
-        absent = sorted((set(range(n)) & present) - have)
-        if absent:
-            problems.append(f"{run_id}: trajectory field {field!r} missing at epochs "
-                            f"{spans(absent)}")
-        if group is not None:
-            bad = group[~group["value"].map(math.isfinite)]
-            if len(bad):
-                shown = ", ".join(sorted(set(map(str, bad["value"]))))
-                problems.append(f"{run_id}: trajectory field {field!r} is non-finite "
-                                f"({shown}) at epochs {spans(bad['index'])}")
+        problems.append(f"{run_id}: {axis}s {spans(extra, stride)} beyond the declared "
+                        f"{count} rows of stride {stride}")
+    have = set(wanted) & present
+    for name in list(expect.get("metrics", ())) + row_metrics:
+        problems += _field_problems(run_id, rows, axis, name, have, stride)
+    for name, every, offset in expect.get("periodic", ()):
+        due = {v for v in have if (v - offset) % every == 0}
+        problems += _field_problems(run_id, rows, axis, name, due, stride)
     return problems
 
 
 def _final_problems(run_id: str, rows: pd.DataFrame, fields: list[str]) -> list[str]:
-    values = dict(zip(rows["metric"], rows["value"]))
     problems = []
     for field in fields:
-        if field not in values:
+        group = _named(rows, field)
+        if not len(group):
             problems.append(f"{run_id}: final field {field!r} missing")
-        elif not math.isfinite(values[field]):
-            problems.append(f"{run_id}: final field {field!r} is non-finite ({values[field]})")
+        for metric, value in zip(group["metric"], group["value"]):
+            if not math.isfinite(value):
+                problems.append(f"{run_id}: final field {metric!r} is non-finite ({value})")
     return problems
 
 
 def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Iterable[str],
-                  n_epochs: int | Mapping[str, int], trajectory_fields: Iterable[str] = (),
-                  final_fields: Iterable[str] = ()) -> list[str]:
+                  row_metrics: Iterable[str] = (), final_metrics: Iterable[str] = ()) -> list[str]:
     """Every problem :func:`check_complete` would report, one line each (empty = complete)."""
     expected = list(expected_ids)
-    trajectory_fields, final_fields = list(trajectory_fields), list(final_fields)
+    row_metrics, final_metrics = list(row_metrics), list(final_metrics)
     problems = []
     present = set(runs["run_id"]) if len(runs) else set()
     missing = [run_id for run_id in expected if run_id not in present]
     if missing:
         problems.append(f"{len(missing)} of {len(expected)} runs missing: {', '.join(missing)}")
-    statuses = dict(zip(runs["run_id"], runs["status"])) if len(runs) else {}
-    errors = dict(zip(runs["run_id"], runs["error"])) if "error" in runs else {}
-    epochs = metrics[metrics["axis"] == "epoch"]
-    finals = metrics[metrics["axis"] == "final"]
+    by_id = {row.run_id: row for row in runs.itertuples(index=False)} if len(runs) else {}
+    groups = dict(tuple(metrics.groupby(["run_id", "axis"]))) if len(metrics) else {}
+    empty = metrics.iloc[:0]
     for run_id in expected:
         if run_id not in present:
             continue
-        if statuses[run_id] != "complete":
-            why = f": {errors[run_id]}" if errors.get(run_id) else ""
-            problems.append(f"{run_id}: status {statuses[run_id]!r}, not 'complete'{why}")
-        n = _expected_epochs(n_epochs, run_id)
-        problems += _trajectory_problems(run_id, epochs[epochs["run_id"] == run_id], n,
-                                         trajectory_fields)
-        problems += _final_problems(run_id, finals[finals["run_id"] == run_id], final_fields)
-    return problems
+        run = by_id[run_id]
+        if run.status != "complete":
+            why = f": {run.error}" if getattr(run, "error", None) else ""
+            problems.append(f"{run_id}: status {run.status!r}, not 'complete'{why}")
+        expect = getattr(run, "expect", None)
+        if not isinstance(expect, dict):
+            problems.append(f"{run_id}: its record declares no expectation of a complete run "
+                            "(written by an older lab or a plain notebook); rerun it")
+            continue
+        rows = groups.get((run_id, expect["axis"]), empty)
+        problems += _row_problems(run_id, rows, expect, row_metrics)
+        problems += _final_problems(run_id, groups.get((run_id, "final"), empty),
+                                    list(expect.get("final", ())) + final_metrics)
+    return list(dict.fromkeys(problems))
 
 
 def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Iterable[str],
-                   n_epochs: int | Mapping[str, int], trajectory_fields: Iterable[str] = (),
-                   final_fields: Iterable[str] = ()) -> None:
+                   row_metrics: Iterable[str] = (), final_metrics: Iterable[str] = ()) -> None:
     """Raise IncompleteProtocolError listing every gap, or return None when complete.
 
-    Complete means: every expected run is present with status ``complete``; it
-    has exactly epochs 0..n-1 (``n_epochs`` an int, or run_id -> int); every
-    trajectory field is present and finite at every epoch; every final field is
+    Complete means: every expected run is present with status ``complete`` and
+    holds what its record declares (rows on its axis, their metrics, its final
+    metrics), plus ``row_metrics`` on every row and ``final_metrics``, all
     present and finite. Runs that are not expected are ignored.
     """
     expected = list(expected_ids)
-    problems = find_problems(runs, metrics, expected, n_epochs, trajectory_fields,
-                             final_fields)
+    problems = find_problems(runs, metrics, expected, row_metrics, final_metrics)
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
         raise IncompleteProtocolError(

@@ -2,7 +2,7 @@
 
 Built on a protocol's runs (``analysis.load.ProtocolRuns``): the tidy metrics
 hold per-epoch ``alignment/update_cos/<layer>``,
-``alignment/teaching_cos/<population>`` and ``feedback/cos/<layer>``; the
+``alignment/teaching_cos/<population>`` and ``rule/feedback/cos/<layer>``; the
 compute bill lives in each record's ``work`` section (``lab.diagnostics.work``).
 Figures are ``analysis.figures.NotebookFigure`` (no pyplot state).
 """
@@ -18,9 +18,11 @@ from lab import records
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
 
-# Quantities the README and the comparison notebook report per rule.
-TRAJECTORY_FIELDS = ("train_loss", "alignment/mean_update_cos", "alignment/mean_teaching_cos")
-FEEDBACK_FIELDS = ("feedback/mean_cos", "feedback/min_cos", "feedback/mean_rel_err")
+# Quantities the README and the comparison notebook report per rule (each run's
+# record declares its rows; these are what this analysis needs on top).
+FINAL_FIELDS = ("test_acc",)
+FEEDBACK_FIELDS = ("rule/feedback/mean_cos", "rule/feedback/min_cos",
+                   "rule/feedback/mean_rel_err")
 FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
 
 
@@ -30,13 +32,11 @@ def check_rules_complete(data) -> None:
     ``data`` is a ``ProtocolRuns`` whose grid has a ``rule`` key. One error lists
     every gap across both checks.
     """
-    n_epochs = {run_id: n or 0 for run_id, n in data.n_epochs.items()}
-    problems = find_problems(data.runs, data.metrics, data.expected_ids, n_epochs,
-                             TRAJECTORY_FIELDS, ("test_acc",))
+    problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS)
     with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
     present = set(data.runs["run_id"])
     problems += find_problems(data.runs, data.metrics, [i for i in with_feedback if i in present],
-                              n_epochs, FEEDBACK_FIELDS)
+                              FEEDBACK_FIELDS)
     problems = list(dict.fromkeys(problems))  # a bad status would be listed twice
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
@@ -159,7 +159,7 @@ def rules_table(data) -> pd.DataFrame:
         "vs_bp": acc["mean"] - acc["mean"].get("bp", float("nan")),
         "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos"),
         "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos"),
-        "feedback_cos": _last_epoch_mean(data, table, "feedback/mean_cos"),
+        "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos"),
         "macs_x_forward": bill["total"] / forward,
     })
     return out.sort_values("test_acc_mean", ascending=False)

@@ -3,37 +3,49 @@
 A run lives in its own directory::
 
     <run_dir>/
-        record.json        the record below (strict JSON, written atomically)
-        metrics.parquet    tidy table derived from the record (written atomically)
-        checkpoint.pt      optional, written by the trainer
+        record.json        small: config, environment, status, declaration, counts, final
+        rows/<axis>/<start>-<end>.parquet
+                           the append-only row store: rows [start, end) of that axis
+        checkpoint.pt      optional, written by the run lifecycle
         <notebook>.ipynb   optional, the executed notebook (papermill)
 
-``record.json`` holds one object::
+``record.json`` (schema version 2) holds one object::
 
-    schema_version  int, == SCHEMA_VERSION
+    schema_version  int, == SCHEMA_VERSION (version 1 records are still read)
     run_id          str (by convention the run directory's name)
     kind            str, which trainer made it ("conv", "ep", "cfc", ...)
     status          one of STATUSES
     config          dict, asdict(config) of the run's frozen config
     environment     dict, see environment()
-    trajectory      list of per-epoch dicts, "epoch" = 0, 1, ..., E-1 in order
-    steps           list of per-step dicts, "step" strictly increasing (may be empty)
+    expect          dict or null: what a complete run holds (lab.lifecycle.Expectation)
+    rows            {axis: number of rows committed}, axis "epoch" or "step"
     final           dict of final metrics
     work            dict, the compute bill (may be empty)
     error           str or null (why a run failed or diverged)
-    created         ISO-8601 str
-    updated         ISO-8601 str, refreshed by save_run
+    created         ISO-8601 str, kept when a run is saved again
+    updated         ISO-8601 str, refreshed by every save
 
-Metric values (in trajectory, steps, final and work) are numbers, null, or dicts
-and lists of those; ``tidy_metrics`` flattens them into one row per
-(run_id, axis, index, metric) with nested names joined by "/" ("alignment/conv0",
-"grad_norm/2").
+The rows live outside the record so that a save costs in proportion to the
+rows added since the last one, not to the whole history: :func:`append_rows`
+writes one new part (tidy columns row, index, metric, value), atomically, and
+the record's count is raised afterwards. A part beyond the count (a kill
+between the two writes) is ignored by readers and removed on resume; parts
+are only ever cut at counts the record or a checkpoint has stated, so the
+store is valid after a kill at any moment.
+
+Metric values in rows, final and work are numbers, null, or dicts and lists of
+those; nested names are joined by "/" ("alignment/conv0", "grad_norm/2").
+``tidy_metrics`` / ``load_metrics`` give one row per (run_id, axis, index,
+metric); a null is absent there, a NaN is kept.
 
 JSON has no NaN or infinity, and a diverged run is exactly where they appear,
 so ``write_json_atomic`` stores non-finite floats as the strings "NaN",
 "Infinity" and "-Infinity" and ``read_json`` turns those strings back into
 floats wherever they occur. The price: a string value spelled exactly like one
 of them (say a config field set to "NaN") reads back as a float.
+
+Version 1 records (rows inside record.json as ``trajectory`` and ``steps``)
+are read as they are; only version 2 is written.
 
 Only the standard library, numpy and pandas/pyarrow are used here; torch is
 imported lazily by ``environment()`` so analysis code can read records cheaply.
@@ -58,14 +70,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATUSES = ("running", "complete", "failed", "diverged")
+AXES = ("epoch", "step")
 TIMING_SUFFIX = "wall_s"
 
 RECORD_FILE = "record.json"
-METRICS_FILE = "metrics.parquet"
+METRICS_FILE = "metrics.parquet"  # version 1 only: the tidy table derived from the record
+ROWS_DIR = "rows"
+PART_SUFFIX = ".jsonl"
 TIDY_COLUMNS = ("run_id", "axis", "index", "metric", "value")
-RUN_COLUMNS = ("run_id", "path", "kind", "status", "n_epochs", "error")
+RUN_COLUMNS = ("run_id", "path", "kind", "status", "axis", "n_rows", "n_epochs", "error",
+               "expect")
 _TIDY_DTYPES = {"run_id": str, "axis": str, "index": "int64", "metric": str, "value": "float64"}
 PACKAGES = ("lab", "torch", "numpy", "pandas", "numba", "papermill", "dask")
 
@@ -172,8 +189,8 @@ def new_record(*, run_id: str, kind: str, config: dict, device: str | None = Non
         # A copy, so later edits to the caller's dict cannot rewrite history.
         "config": copy.deepcopy(config),
         "environment": environment(device),
-        "trajectory": [],
-        "steps": [],
+        "expect": None,
+        "rows": {},
         "final": {},
         "work": {},
         "error": None,
@@ -223,6 +240,7 @@ def atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        os.chmod(tmp, _FILE_MODE)
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -335,34 +353,41 @@ _FIELD_TYPES = {
     "status": (str, f"one of {', '.join(STATUSES)}"),
     "config": (dict, "a dict (asdict(config))"),
     "environment": (dict, "a dict (lab.records.environment())"),
-    "trajectory": (list, "a list of per-epoch dicts"),
-    "steps": (list, "a list of per-step dicts (may be empty)"),
     "final": (dict, "a dict of final metrics"),
     "work": (dict, "a dict (the compute bill, may be empty)"),
     "error": ((str, type(None)), "a string or null"),
     "created": (str, "an ISO-8601 timestamp string"),
     "updated": (str, "an ISO-8601 timestamp string"),
 }
+# Version 1 kept the rows inside the record; version 2 keeps counts and a declaration.
+_V1_FIELDS = {
+    "trajectory": (list, "a list of per-epoch dicts"),
+    "steps": (list, "a list of per-step dicts (may be empty)"),
+}
+_V2_FIELDS = {
+    "expect": ((dict, type(None)), "a dict (lab.lifecycle.Expectation) or null"),
+    "rows": (dict, f"a dict {{axis: row count}} with axes from {', '.join(AXES)}"),
+}
+# In memory, rows travel with the record under these keys (save_run writes them to the store).
+ROW_KEYS = {"epoch": "trajectory", "step": "steps"}
 
 
 def _check_fields(record: dict, path) -> None:
-    missing = [key for key in _FIELD_TYPES if key not in record]
+    version = record.get("schema_version")
+    if not _is_int(version) or version not in READABLE_VERSIONS:
+        _fail(path, "schema_version", "missing" if version is None else _describe(version),
+              f"one of {READABLE_VERSIONS} (this lab writes version {SCHEMA_VERSION})")
+    fields = {**_FIELD_TYPES, **(_V1_FIELDS if version == 1 else _V2_FIELDS)}
+    missing = [key for key in fields if key not in record]
     if missing:
-        _fail(path, missing[0], "missing", f"a record with all of {', '.join(_FIELD_TYPES)}")
-    for key, (kind, allowed) in _FIELD_TYPES.items():
+        _fail(path, missing[0], "missing", f"a record with all of {', '.join(fields)}")
+    for key, (kind, allowed) in fields.items():
         value = record[key]
         if not isinstance(value, kind) or (kind is int and not _is_int(value)):
             _fail(path, key, _describe(value), allowed)
     for key in ("run_id", "kind"):
         if not record[key]:
             _fail(path, key, "an empty string", _FIELD_TYPES[key][1])
-    if record["schema_version"] != SCHEMA_VERSION:
-        _fail(
-            path,
-            "schema_version",
-            _describe(record["schema_version"]),
-            f"{SCHEMA_VERSION} (this lab reads schema version {SCHEMA_VERSION} only)",
-        )
     if record["status"] not in STATUSES:
         _fail(path, "status", _describe(record["status"]), f"one of {', '.join(STATUSES)}")
     for key in ("created", "updated"):
@@ -370,38 +395,43 @@ def _check_fields(record: dict, path) -> None:
             datetime.fromisoformat(record[key])
         except ValueError:
             _fail(path, key, _describe(record[key]), "an ISO-8601 timestamp string")
+    if version == 2:
+        for axis, count in record["rows"].items():
+            if axis not in AXES or not _is_int(count) or count < 0:
+                _fail(path, f"rows.{axis}", _describe(count),
+                      f"a count >= 0 for an axis in {', '.join(AXES)}")
+
+
+def check_row(row: Any, axis_key: str, where: str, path="<memory>") -> None:
+    """One row: a dict with an int axis value and metric values (see the module docstring)."""
+    if not isinstance(row, dict):
+        _fail(path, where, _describe(row), f"a dict with an int '{axis_key}'")
+    if axis_key not in row:
+        _fail(path, f"{where}.{axis_key}", "missing", f"an int {axis_key} in every row")
+    if not _is_int(row[axis_key]):
+        _fail(path, f"{where}.{axis_key}", _describe(row[axis_key]), f"an int {axis_key}")
+    for key, value in row.items():
+        if key != axis_key:
+            _check_metric(value, path, f"{where}.{key}")
+
+
+def _check_order(index: int, position: int, previous: int | None, axis_key: str, where: str,
+                 path) -> None:
+    if axis_key == "epoch" and index != position:
+        # Epochs double as positions: a gap means a lost epoch, not a sparse log.
+        _fail(path, f"{where}.epoch", f"{index} at position {position}",
+              f"consecutive epochs 0, 1, 2, ... (expected {position})")
+    if axis_key == "step" and previous is not None and index <= previous:
+        _fail(path, f"{where}.step", f"{index} after step {previous}", "strictly increasing steps")
 
 
 def _check_rows(rows: list, axis_key: str, section: str, path) -> None:
     previous = None
     for i, row in enumerate(rows):
         where = f"{section}[{i}]"
-        if not isinstance(row, dict):
-            _fail(path, where, _describe(row), f"a dict with an int '{axis_key}'")
-        if axis_key not in row:
-            _fail(path, f"{where}.{axis_key}", "missing", f"an int {axis_key} in every row")
-        index = row[axis_key]
-        if not _is_int(index):
-            _fail(path, f"{where}.{axis_key}", _describe(index), f"an int {axis_key}")
-        if axis_key == "epoch" and index != i:
-            # Epochs double as positions: a gap means a lost epoch, not a sparse log.
-            _fail(
-                path,
-                f"{where}.epoch",
-                f"{index} at position {i}",
-                f"consecutive epochs 0, 1, 2, ... (expected {i})",
-            )
-        if axis_key == "step" and previous is not None and index <= previous:
-            _fail(
-                path,
-                f"{where}.step",
-                f"{index} after step {previous}",
-                "strictly increasing steps",
-            )
-        previous = index
-        for key, value in row.items():
-            if key != axis_key:
-                _check_metric(value, path, f"{where}.{key}")
+        check_row(row, axis_key, where, path)
+        _check_order(row[axis_key], i, previous, axis_key, where, path)
+        previous = row[axis_key]
 
 
 def validate_record(record: dict, path="<memory>") -> dict:
@@ -412,12 +442,114 @@ def validate_record(record: dict, path="<memory>") -> dict:
     for section in ("config", "environment"):
         for key, value in record[section].items():
             _check_json(value, path, f"{section}.{key}")
-    _check_rows(record["trajectory"], "epoch", "trajectory", path)
-    _check_rows(record["steps"], "step", "steps", path)
+    for axis, key in ROW_KEYS.items():
+        if key in record:
+            if not isinstance(record[key], list):
+                _fail(path, key, _describe(record[key]), f"a list of per-{axis} dicts")
+            _check_rows(record[key], axis, key, path)
     for section in ("final", "work"):
         for key, value in record[section].items():
             _check_metric(value, path, f"{section}.{key}")
     return record
+
+
+# ---------------------------------------------------------------------------
+# the append-only row store
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # mkstemp makes 0600; run files follow the user's umask
+
+
+def _parts_dir(run_dir: Path, axis: str) -> Path:
+    return Path(run_dir) / ROWS_DIR / axis
+
+
+def _parts(run_dir: Path, axis: str) -> list[tuple[int, int, Path]]:
+    """(start, end, path) of every well-named part file of ``axis``, sorted."""
+    found = []
+    directory = _parts_dir(run_dir, axis)
+    if not directory.is_dir():
+        return found
+    for path in directory.glob(f"*{PART_SUFFIX}"):
+        start, _, end = path.name[: -len(PART_SUFFIX)].partition("-")
+        if start.isdigit() and end.isdigit() and int(end) > int(start):
+            found.append((int(start), int(end), path))
+    return sorted(found)
+
+
+def _chain(run_dir: Path, axis: str, count: int, path) -> list[tuple[int, int, Path]]:
+    """The parts that hold rows [0, count): from each position, the longest part that fits."""
+    parts, chain, position = _parts(run_dir, axis), [], 0
+    while position < count:
+        fitting = [p for p in parts if p[0] == position and p[1] <= count]
+        if not fitting:
+            _fail(path, f"rows.{axis}", f"{count}, but no part holds rows from {position} "
+                  f"(parts in {_parts_dir(run_dir, axis)}: "
+                  f"{[p[2].name for p in parts] or 'none'})",
+                  "a row store holding every counted row (restore the parts or rerun the run)")
+        chain.append(max(fitting, key=lambda p: p[1]))
+        position = chain[-1][1]
+    return chain
+
+
+def write_part(run_dir, axis: str, rows: list[dict], start: int) -> Path:
+    """Write rows [start, start + len(rows)) of ``axis`` as one new part, atomically.
+
+    A part is strict JSON, one row per line (non-finite floats encoded as in
+    record.json), so rows read back exactly as they were logged.
+    """
+    if axis not in AXES:
+        raise ValueError(f"axis={axis!r} is not allowed; choose one of: {', '.join(AXES)}")
+    for i, row in enumerate(rows):
+        check_row(row, axis, f"{ROW_KEYS[axis]}[{start + i}]")
+    lines = [json.dumps(encode_nonfinite(row), allow_nan=False) for row in rows]
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(lines) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    path = _parts_dir(Path(run_dir), axis) / f"{start:09d}-{start + len(rows):09d}{PART_SUFFIX}"
+    atomic_write(path, write)
+    return path
+
+
+def truncate_rows(run_dir, axis: str, count: int) -> None:
+    """Remove every part that is not in the chain holding rows [0, count)."""
+    keep = {p[2] for p in _chain(Path(run_dir), axis, count, Path(run_dir) / RECORD_FILE)}
+    for _, _, path in _parts(Path(run_dir), axis):
+        if path not in keep:
+            path.unlink(missing_ok=True)
+
+
+def _read_part(path: Path, start: int, end: int, record_path) -> list:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        rows = [decode_nonfinite(json.loads(line)) for line in lines]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
+              "a part written by lab.records.write_part (rerun the run)")
+    if len(rows) != end - start:
+        _fail(record_path, f"<part {path.name}>", f"{len(rows)} rows",
+              f"{end - start} rows, as its name says")
+    return rows
+
+
+def read_rows(run_dir, axis: str, count: int) -> list[dict]:
+    """Rows [0, count) of ``axis``, validated, as the dicts that were logged."""
+    record_path = Path(run_dir) / RECORD_FILE
+    rows = []
+    for start, end, path in _chain(Path(run_dir), axis, count, record_path):
+        rows += _read_part(path, start, end, record_path)
+    _check_rows(rows, axis, ROW_KEYS[axis], record_path)
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -430,24 +562,63 @@ def _record_path(run_dir_or_record_json) -> Path:
 
 
 def save_run(run_dir, record) -> Path:
-    """Validate, stamp "updated", write record.json then metrics.parquet; return record.json."""
+    """Validate and write a whole record; return record.json's path.
+
+    Rows carried in memory (``trajectory``: epoch rows, ``steps``: step rows)
+    replace that axis's store (one part, then the record, then the stale parts
+    go); without them the store is left as it is and only record.json is
+    written. The append path is :func:`append_rows` (what the run lifecycle
+    uses). ``updated`` is refreshed; ``created`` is kept as given.
+    """
     run_dir = Path(run_dir)
     path = run_dir / RECORD_FILE
     validate_record(record, path)
     record["updated"] = _now()
+    record["schema_version"] = SCHEMA_VERSION
+    record.setdefault("expect", None)
+    counts = dict(record.get("rows", {}))
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, record)
-    # The record is the source of truth; the parquet is derived, so it goes second.
-    metrics = tidy_metrics(record)
-    atomic_write(
-        run_dir / METRICS_FILE, lambda tmp: metrics.to_parquet(tmp, engine="pyarrow", index=False)
-    )
+    carried = {axis: record[key] for axis, key in ROW_KEYS.items() if key in record}
+    for axis, rows in carried.items():
+        if rows:
+            write_part(run_dir, axis, rows, 0)
+        counts[axis] = len(rows)
+    record["rows"] = counts
+    write_json_atomic(path, _stored(record))
+    for axis in carried:
+        truncate_rows(run_dir, axis, counts[axis])
     return path
 
 
-def load_record(run_dir_or_record_json) -> dict:
-    """Read and validate one record; any problem is a RecordError naming the file."""
-    path = _record_path(run_dir_or_record_json)
+def _stored(record: dict) -> dict:
+    """What record.json holds: the record without the rows it may carry in memory."""
+    return {key: value for key, value in record.items() if key not in ROW_KEYS.values()}
+
+
+def append_rows(run_dir, record: dict, axis: str, rows: list[dict]) -> None:
+    """Add ``rows`` after the record's committed rows of ``axis``, then save the record.
+
+    Costs in proportion to ``rows``: one new part and the (small) record.
+    """
+    run_dir = Path(run_dir)
+    start = record["rows"].get(axis, 0)
+    if rows:
+        write_part(run_dir, axis, rows, start)
+    record["rows"] = {**record["rows"], axis: start + len(rows)}
+    write_record(run_dir, record)
+
+
+def write_record(run_dir, record: dict) -> Path:
+    """Validate and write record.json alone (the store is not touched)."""
+    path = Path(run_dir) / RECORD_FILE
+    stored = _stored(record)
+    validate_record(stored, path)
+    stored["updated"] = record["updated"] = _now()
+    write_json_atomic(path, stored)
+    return path
+
+
+def _read_record(path: Path) -> dict:
     try:
         record = read_json(path)
     except FileNotFoundError:
@@ -471,7 +642,27 @@ def load_record(run_dir_or_record_json) -> dict:
             path=path,
             field="<root>",
         ) from None
-    return validate_record(record, path)
+    validate_record(record, path)
+    if record["schema_version"] == 1:
+        # Read as version 2 in memory: counts from the rows it carries, no declaration.
+        record["rows"] = {axis: len(record[key]) for axis, key in ROW_KEYS.items()
+                          if record[key]}
+        record["expect"] = None
+    return record
+
+
+def load_record(run_dir_or_record_json, *, rows: bool = True) -> dict:
+    """Read and validate one record; any problem is a RecordError naming the file.
+
+    With ``rows`` the rows come along under ``trajectory`` (epoch) and ``steps``
+    (step), as lists of dicts.
+    """
+    path = _record_path(run_dir_or_record_json)
+    record = _read_record(path)
+    if rows and record["schema_version"] != 1:
+        for axis, count in record["rows"].items():
+            record[ROW_KEYS[axis]] = read_rows(path.parent, axis, count)
+    return record
 
 
 # ---------------------------------------------------------------------------
@@ -513,13 +704,16 @@ def _tidy_frame(rows: list[tuple]) -> pd.DataFrame:
 
 
 def tidy_metrics(record) -> pd.DataFrame:
-    """One row per (run_id, axis, index, metric); axis is "epoch", "step" or "final" (index -1)."""
+    """One row per (run_id, axis, index, metric) of an in-memory record.
+
+    Axis is "epoch", "step" or "final" (index -1); rows come from the record's
+    ``trajectory`` / ``steps`` lists (see :func:`load_record`).
+    """
     run_id = record["run_id"]
     rows = []
-    for row in record.get("trajectory", []):
-        rows += [(run_id, "epoch", row["epoch"], m, v) for m, v in _numeric_leaves(row, "epoch")]
-    for row in record.get("steps", []):
-        rows += [(run_id, "step", row["step"], m, v) for m, v in _numeric_leaves(row, "step")]
+    for axis, key in ROW_KEYS.items():
+        for row in record.get(key, []):
+            rows += [(run_id, axis, row[axis], m, v) for m, v in _numeric_leaves(row, axis)]
     rows += [(run_id, "final", -1, m, v) for m, v in _numeric_leaves(record.get("final", {}))]
     return _tidy_frame(rows)
 
@@ -527,7 +721,8 @@ def tidy_metrics(record) -> pd.DataFrame:
 def _record_paths(root) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such directory of runs")
+        what = "a file, not a directory" if root.exists() else "no such directory"
+        raise FileNotFoundError(f"{root}: {what}; give a directory of runs")
     return sorted(root.glob(f"**/{RECORD_FILE}"))
 
 
@@ -554,14 +749,26 @@ def _config_columns(config: dict) -> dict:
     return columns
 
 
+def main_axis(record: dict) -> str | None:
+    """The axis a run's rows are declared on (else the one holding rows; None if none)."""
+    if record.get("expect"):
+        return record["expect"]["axis"]
+    counts = record.get("rows", {})
+    return next((axis for axis in AXES if counts.get(axis)), None)
+
+
 def _run_row(record: dict, path: Path) -> dict:
+    axis = main_axis(record)
     row = {
         "run_id": record["run_id"],
         "path": str(path.parent),
         "kind": record["kind"],
         "status": record["status"],
-        "n_epochs": len(record["trajectory"]),
+        "axis": axis,
+        "n_rows": record["rows"].get(axis, 0) if axis else 0,
+        "n_epochs": record["rows"].get("epoch", 0),
         "error": record["error"],
+        "expect": record["expect"],
     }
     row.update(_config_columns(record["config"]))
     row.update({f"final.{name}": leaf for name, leaf in _numeric_leaves(record["final"])})
@@ -571,14 +778,16 @@ def _run_row(record: dict, path: Path) -> dict:
 def load_runs(root) -> pd.DataFrame:
     """One row per run under ``root``: base columns, then config.* and final.* columns.
 
-    ``path`` is the run directory. Nested config dicts and final metrics are
-    flattened with "/" (final names match tidy_metrics' metric names).
-    Any unreadable record raises one RecordError listing every bad path.
+    ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
+    count, ``expect`` its completeness declaration (dict, or None for records
+    that declare none). Nested config dicts and final metrics are flattened
+    with "/" (final names match tidy_metrics' metric names). Any unreadable
+    record raises one RecordError listing every bad path.
     """
     rows, problems = [], []
     for path in _record_paths(root):
         try:
-            rows.append(_run_row(load_record(path), path))
+            rows.append(_run_row(load_record(path, rows=False), path))
         except RecordError as err:
             problems.append((path, str(err)))
     if problems:
@@ -589,11 +798,12 @@ def load_runs(root) -> pd.DataFrame:
     extra = sorted(c for c in frame.columns if c.startswith("config.")) + sorted(
         c for c in frame.columns if c.startswith("final.")
     )
-    frame["n_epochs"] = frame["n_epochs"].astype("int64")
+    for column in ("n_rows", "n_epochs"):
+        frame[column] = frame[column].astype("int64")
     return frame[list(RUN_COLUMNS) + extra]
 
 
-def _run_metrics(record_path: Path) -> pd.DataFrame:
+def _v1_metrics(record_path: Path, record: dict) -> pd.DataFrame:
     parquet = record_path.parent / METRICS_FILE
     # A parquet older than its record is stale (the run was saved again but the
     # parquet write did not finish): the record wins.
@@ -615,15 +825,26 @@ def _run_metrics(record_path: Path) -> pd.DataFrame:
                 field="<columns>",
             )
         return frame
-    return tidy_metrics(load_record(record_path))
+    return tidy_metrics(record)
+
+
+def run_metrics(record_path) -> pd.DataFrame:
+    """One run's tidy metrics (its row store and final metrics; version 1: its record)."""
+    record_path = _record_path(record_path)
+    record = _read_record(record_path)
+    if record["schema_version"] == 1:
+        return _v1_metrics(record_path, record)
+    for axis, count in record["rows"].items():
+        record[ROW_KEYS[axis]] = read_rows(record_path.parent, axis, count)
+    return tidy_metrics(record)
 
 
 def load_metrics(root) -> pd.DataFrame:
-    """All runs' tidy metrics under ``root`` (metrics.parquet, or rebuilt from the record)."""
+    """All runs' tidy metrics under ``root`` (row stores, or version 1 records)."""
     frames, problems = [], []
     for path in _record_paths(root):
         try:
-            frames.append(_run_metrics(path))
+            frames.append(run_metrics(path))
         except RecordError as err:
             problems.append((path, str(err)))
     if problems:

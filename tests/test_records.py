@@ -101,8 +101,7 @@ def test_new_record_is_running_and_empty(base_record):
     assert base_record["status"] == "running"
     assert base_record["schema_version"] == records.SCHEMA_VERSION
     assert base_record["config"] == CONFIG and base_record["config"] is not CONFIG
-    for key in ("trajectory", "steps"):
-        assert base_record[key] == []
+    assert base_record["rows"] == {} and base_record["expect"] is None
     for key in ("final", "work"):
         assert base_record[key] == {}
     assert base_record["error"] is None
@@ -145,7 +144,7 @@ def test_failed_save_keeps_previous_record(tmp_path, base_record, monkeypatch, b
     monkeypatch.undo()
 
     assert (run_dir / "record.json").read_bytes() == before
-    assert sorted(os.listdir(run_dir)) == ["metrics.parquet", "record.json"]
+    assert sorted(os.listdir(run_dir)) == ["record.json", "rows"]
     assert records.load_record(run_dir)["status"] == "running"
 
 
@@ -158,28 +157,51 @@ def test_unserialisable_value_midway_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == ["x.json"]
 
 
-def test_failed_parquet_write_leaves_record_newer_and_metrics_rebuilt(
+def test_failed_part_write_leaves_the_record_and_store_as_they_were(
     tmp_path, base_record, monkeypatch
 ):
     run_dir = tmp_path / "runs" / "run"
-    records.save_run(run_dir, filled(base_record))
-    parquet = run_dir / "metrics.parquet"
-    old = parquet.stat().st_mtime
+    record = filled(base_record)
+    records.save_run(run_dir, record)
+    before = records.load_record(run_dir)
+    more = [{"epoch": 2, "loss": 1.5}]
 
     def broken(*args, **kwargs):
         raise OSError("quota")
 
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", broken)
-    newer = filled(base_record, final={"test_acc": 0.99})
+    monkeypatch.setattr(records.json, "dumps", broken)
     with pytest.raises(OSError):
-        records.save_run(run_dir, newer)
+        records.append_rows(run_dir, records.load_record(run_dir, rows=False), "epoch", more)
     monkeypatch.undo()
-    assert sorted(os.listdir(run_dir)) == ["metrics.parquet", "record.json"]
-    # Make the staleness unambiguous whatever the filesystem's clock resolution.
-    os.utime(parquet, (old - 10, old - 10))
+    assert records.load_record(run_dir) == before
+    records.append_rows(run_dir, records.load_record(run_dir, rows=False), "epoch", more)
+    assert records.load_record(run_dir)["trajectory"] == before["trajectory"] + more
 
-    final = records.load_metrics(tmp_path / "runs").query("axis == 'final'")
-    assert final.set_index("metric")["value"].to_dict() == {"test_acc": 0.99}
+
+def test_append_costs_one_part_and_reads_back_exactly(tmp_path, base_record):
+    run_dir = tmp_path / "run"
+    record = filled(base_record)
+    records.save_run(run_dir, record)
+    stored = records.load_record(run_dir, rows=False)
+    extra = [{"epoch": 2, "loss": math.nan, "alignment": {"fc": 0.7}}, {"epoch": 3, "loss": None}]
+    records.append_rows(run_dir, stored, "epoch", extra)
+    parts = sorted(p.name for p in (run_dir / "rows" / "epoch").iterdir())
+    assert parts == ["000000000-000000002.jsonl", "000000002-000000004.jsonl"]
+    back = records.load_record(run_dir)
+    assert back["rows"] == {"epoch": 4, "step": 2}
+    assert back["trajectory"][:2] == record["trajectory"]
+    assert math.isnan(back["trajectory"][2]["loss"]) and back["trajectory"][3]["loss"] is None
+
+
+def test_parts_beyond_the_count_are_ignored(tmp_path, base_record):
+    run_dir = tmp_path / "run"
+    records.save_run(run_dir, filled(base_record))
+    # A kill between the part and the record: the part is there, the count is not raised.
+    records.write_part(run_dir, "epoch", [{"epoch": 2, "loss": 9.0}], 2)
+    assert len(records.load_record(run_dir)["trajectory"]) == 2
+    assert 9.0 not in set(records.run_metrics(run_dir)["value"])
+    records.truncate_rows(run_dir, "epoch", 2)
+    assert len(list((run_dir / "rows" / "epoch").iterdir())) == 1
 
 
 def test_non_finite_floats_are_written_as_strings(tmp_path):
@@ -229,18 +251,10 @@ CORRUPTIONS = {
     "missing_status": (_record(lambda r: r.pop("status")), "status"),
     "status_done": (_record(_set(["status"], "done")), "status"),
     "schema_99": (_record(_set(["schema_version"], 99)), "schema_version"),
-    "epoch_gap": (
-        _record(lambda r: r["trajectory"].append({"epoch": 3, "loss": 1.0})),
-        "trajectory[2].epoch",
-    ),
-    "epoch_float": (_record(_set(["trajectory", 1, "epoch"], 1.5)), "trajectory[1].epoch"),
-    "metric_string": (_record(_set(["trajectory", 0, "loss"], "low")), "trajectory[0].loss"),
-    "nested_metric_string": (
-        _record(_set(["trajectory", 1, "alignment", "fc"], "n/a")),
-        "trajectory[1].alignment.fc",
-    ),
+    "missing_rows": (_record(lambda r: r.pop("rows")), "rows"),
+    "rows_negative": (_record(_set(["rows", "epoch"], -1)), "rows.epoch"),
+    "rows_beyond_store": (_record(_set(["rows", "epoch"], 3)), "rows.epoch"),
     "config_list": (_record(_set(["config"], [1, 2])), "config"),
-    "steps_descending": (_record(_set(["steps", 1, "step"], 0)), "steps[1].step"),
     "final_string": (_record(_set(["final", "test_acc"], "81%")), "final.test_acc"),
     "error_number": (_record(_set(["error"], 7)), "error"),
 }
@@ -260,6 +274,43 @@ def test_corrupt_record_names_path_and_field(tmp_path, base_record, name):
     assert f"'{field}'" in message
     assert info.value.field == field
     assert "allowed" in message
+
+
+def _edit_row(axis, i, edit):
+    def corrupt(lines):
+        rows = [json.loads(line) for line in lines]
+        edit(rows[i]) if edit else None
+        return [json.dumps(row) for row in rows]
+
+    return corrupt
+
+
+PART_CORRUPTIONS = {
+    "epoch_gap": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 3)), "trajectory[1].epoch"),
+    "epoch_float": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 1.5)), "trajectory[1].epoch"),
+    "metric_string": ("epoch", _edit_row("epoch", 0, _set(["loss"], "low")),
+                      "trajectory[0].loss"),
+    "nested_metric_string": ("epoch", _edit_row("epoch", 1, _set(["alignment", "fc"], "n/a")),
+                             "trajectory[1].alignment.fc"),
+    "steps_descending": ("step", _edit_row("step", 1, _set(["step"], 0)), "steps[1].step"),
+    "row_lost": ("epoch", lambda lines: lines[:1], "<part 000000000-000000002.jsonl>"),
+    "half_line": ("step", lambda lines: [lines[0], lines[1][:5]],
+                  "<part 000000000-000000002.jsonl>"),
+}
+
+
+@pytest.mark.parametrize("name", list(PART_CORRUPTIONS))
+def test_corrupt_row_part_names_record_and_row(tmp_path, base_record, name):
+    axis, corrupt, field = PART_CORRUPTIONS[name]
+    run_dir = tmp_path / "run"
+    path = records.save_run(run_dir, filled(base_record))
+    part = next((run_dir / "rows" / axis).iterdir())
+    part.write_text("\n".join(corrupt(part.read_text().splitlines())) + "\n")
+    for load in (records.load_record, records.run_metrics):
+        with pytest.raises(RecordError) as info:
+            load(run_dir)
+        message = str(info.value)
+        assert str(path) in message and f"'{field}'" in message and "allowed" in message
 
 
 def test_bad_status_message_shows_value_and_choices(base_record):
@@ -318,10 +369,10 @@ def test_tidy_flattens_nested_metrics(base_record):
     assert set(tidy["run_id"]) == {"r0"}
 
 
-def test_saved_parquet_equals_tidy_metrics(tmp_path, base_record):
+def test_stored_metrics_equal_tidy_metrics(tmp_path, base_record):
     record = filled(base_record)
     records.save_run(tmp_path / "run", record)
-    stored = pd.read_parquet(tmp_path / "run" / "metrics.parquet")
+    stored = records.run_metrics(tmp_path / "run")
     pd.testing.assert_frame_equal(stored, records.tidy_metrics(record))
 
 
@@ -348,6 +399,8 @@ def test_load_runs_one_row_per_run(run_tree):
     assert runs["status"].to_dict() == {"r0": "complete", "r1": "diverged", "r2": "failed"}
     assert runs.loc["r2", "error"] == "RuntimeError: boom"
     assert runs["n_epochs"].to_dict() == {"r0": 2, "r1": 2, "r2": 1}
+    assert runs["axis"].to_dict() == dict.fromkeys(["r0", "r1", "r2"], "epoch")
+    assert runs["n_rows"].to_dict() == {"r0": 2, "r1": 2, "r2": 1}
     assert runs["config.lr"].to_dict() == {"r0": 0.05, "r1": 0.05, "r2": 0.5}
     assert runs.loc["r0", "config.optim/momentum"] == 0.9
     assert runs.loc["r0", "config.widths"] == (16, 32)
@@ -369,13 +422,18 @@ def test_load_runs_names_every_corrupt_record(run_tree):
     assert [path for path, _ in info.value.problems] == bad
 
 
+def test_load_runs_on_a_file_says_it_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileNotFoundError, match="a file, not a directory"):
+        records.load_runs(tmp_path / "f")
+
+
 def test_load_runs_on_empty_dir_has_base_columns(tmp_path):
     runs = records.load_runs(tmp_path)
     assert runs.empty and list(runs.columns) == list(records.RUN_COLUMNS)
 
 
-def test_load_metrics_concatenates_and_falls_back_to_record(run_tree):
-    (run_tree / "a" / "r1" / "metrics.parquet").unlink()
+def test_load_metrics_concatenates_every_run(run_tree):
     metrics = records.load_metrics(run_tree)
     assert list(metrics.columns) == list(records.TIDY_COLUMNS)
     expected = sum(
@@ -419,3 +477,24 @@ def test_without_timings_strips_wall_clock(base_record):
     other["trajectory"][0]["epoch_wall_s"] = 99.0
     other["updated"] = "2030-01-01T00:00:00+00:00"
     assert records.without_timings(other) == stripped
+
+
+# ---------------------------------------------------------------------------
+# version 1 records (rows inside record.json) are still read
+
+
+LEGACY = __import__("pathlib").Path(__file__).parent / "fixtures" / "legacy" / "runs"
+
+
+def test_version_1_records_read_through_the_same_api():
+    runs = records.load_runs(LEGACY).set_index("run_id")
+    assert set(runs.index) == {"rule-bp_seed-0", "rule-dfa_seed-1", "rule-kp_seed-0",
+                               "demo-small_rule-bp_seed-0", "demo-small_rule-kp_seed-1"}
+    assert set(runs["axis"]) == {"epoch"} and runs["expect"].isna().all()
+    assert runs.loc["rule-kp_seed-0", "n_rows"] == 3
+    metrics = records.load_metrics(LEGACY)
+    for run_id in runs.index:
+        legacy = records.read_json(LEGACY / run_id / "record.json")
+        assert legacy["schema_version"] == 1
+        mine = metrics[metrics["run_id"] == run_id].reset_index(drop=True)
+        pd.testing.assert_frame_equal(mine, records.tidy_metrics(legacy))

@@ -15,9 +15,10 @@ import torch
 
 from lab import records
 from lab.cli import main as cli_main
+from lab.config import from_dict
+from lab.lifecycle import CHECKPOINT, CheckpointError
 from lab.rules import RULES, Rule, StepResult
 from lab.train import ConvConfig, conv, train_conv
-from lab.train.checkpoint import CheckpointError
 
 
 def _values(record):
@@ -101,7 +102,7 @@ def _kill_mid_run(config_args, out, min_epochs):
     try:
         while time.time() < deadline:
             path = out / "record.json"
-            if path.exists() and len(records.read_json(path)["trajectory"]) >= min_epochs:
+            if path.exists() and records.read_json(path)["rows"].get("epoch", 0) >= min_epochs:
                 break
             if proc.poll() is not None:
                 pytest.fail("the run finished before it could be killed")
@@ -136,7 +137,7 @@ def test_resume_refuses_a_different_config(tiny, tmp_path):
 
 def test_corrupt_checkpoint_is_named(tiny, tmp_path):
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / conv.CHECKPOINT).write_bytes(b"not a checkpoint")
+    (tmp_path / "r" / CHECKPOINT).write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt cannot be read"):
         train_conv(ConvConfig(**tiny), tmp_path / "r")
 
@@ -166,10 +167,10 @@ def test_interrupted_rule_resumes_exactly(tiny, tmp_path, monkeypatch, rule):
     whole = train_conv(config, tmp_path / "whole")
     real = conv._train_epoch
 
-    def crash_at_2(run, epoch, kind):
+    def crash_at_2(run, epoch, kind, life):
         if epoch == 2:
             raise KeyboardInterrupt
-        return real(run, epoch, kind)
+        return real(run, epoch, kind, life)
 
     monkeypatch.setattr(conv, "_train_epoch", crash_at_2)
     with pytest.raises(KeyboardInterrupt):
@@ -186,8 +187,107 @@ def test_alignment_and_tracking_trajectories_are_complete(tiny, rule):
                                    alignment_batch=32))
     assert record["status"] == "complete"
     for row in record["trajectory"]:
-        assert set(row["alignment"]["teaching_cos"]) and set(row["alignment"]["update_cos"])
+        align = row["alignment"]
+        assert set(align["teaching_cos"]) and set(align["update_cos"])
+        # The summaries are the means of what they summarise, not independent numbers.
+        assert align["mean_update_cos"] == pytest.approx(
+            sum(align["update_cos"].values()) / len(align["update_cos"]), abs=1e-12)
+        if rule == "bp":
+            assert min(align["update_cos"].values()) > 1 - 1e-9
         if rule in ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm"):
-            assert -1 <= row["feedback"]["min_cos"] <= row["feedback"]["mean_cos"] <= 1
+            tracking = row["rule"]["feedback"]
+            cos = list(tracking["cos"].values())
+            assert tracking["mean_cos"] == pytest.approx(sum(cos) / len(cos), abs=1e-12)
+            assert tracking["min_cos"] == min(cos)
+            assert tracking["max_rel_err"] == max(tracking["rel_err"].values())
     assert record["work"]["macs"]["forward"] == (
         record["work"]["forward_macs_per_example"] * record["work"]["examples"])
+
+
+def test_exploding_learning_rate_ends_diverged_with_its_rows(tmp_path):
+    # The configuration a new user tried: a training loss of 2e25 was recorded as complete.
+    config = ConvConfig(lr=1e6, n_train=256, width=4, depth=8, epochs=2, progress=False)
+    record = train_conv(config, tmp_path / "r")
+    assert record["status"] == "diverged"
+    assert "exceeds 1000 x the loss at initialisation" in record["error"]
+    saved = records.load_record(tmp_path / "r")
+    assert saved["status"] == "diverged" and len(saved["trajectory"]) == 1
+    assert saved["trajectory"][0]["train_loss"] > 1000 * 2.0
+    assert "test_acc" not in saved["final"]
+
+
+def test_recorded_learning_rate_follows_one_cycle(tiny):
+    config = ConvConfig(**{**tiny, "epochs": 6})
+    record = train_conv(config)
+    steps = 4  # 256 examples / 64 per batch
+    total, peak, pct = 6 * steps, config.lr, config.warmup_fraction
+    start, floor = peak / 25, peak / 25 / 1e4
+    end1 = pct * total - 1
+
+    def onecycle(s):  # Smith & Topin's cosine one-cycle, written out
+        if s <= end1:
+            a, b, t = start, peak, s / end1
+        else:
+            a, b, t = peak, floor, (s - end1) / (total - 1 - end1)
+        return b + (a - b) / 2 * (math.cos(math.pi * t) + 1)
+
+    lrs = [row["lr"] for row in record["trajectory"]]
+    assert lrs == pytest.approx([onecycle((e + 1) * steps) for e in range(6)], rel=1e-9)
+    assert lrs[0] < lrs[1] and lrs[1] > lrs[2] > lrs[3] > lrs[4]
+
+
+def test_evaluation_changes_no_buffer_and_ignores_batch_size(tiny):
+    run = conv.build_run(ConvConfig(**tiny))
+    run.model.train()
+    run.model(run.data.train.x[:64])  # move BN running stats away from their initial values
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    big = conv._evaluate(run.model, run.data.val, 1000)
+    small = conv._evaluate(run.model, run.data.val, 7)
+    after = run.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert small[0] == pytest.approx(big[0], rel=1e-6) and small[1] == big[1]
+
+
+def test_bill_counts_every_training_example(tiny):
+    config = ConvConfig(**{**tiny, "epochs": 3})
+    n_train = len(conv.build_run(config).data.train.y)
+    assert n_train == 256  # n_train counts training examples; validation comes from the rest
+    record = train_conv(config)
+    assert record["work"]["examples"] == 3 * n_train
+    assert record["work"]["optimizer_steps"] == 3 * math.ceil(n_train / 64)
+
+
+LEGACY = __import__("pathlib").Path(__file__).parent / "fixtures" / "legacy" / "runs"
+
+
+def _legacy_rows(rows):
+    """A version 1 row: rule diagnostics were merged flat; now they sit under "rule"."""
+    out = []
+    for row in rows:
+        row = dict(row)
+        rule = {"feedback": row.pop("feedback")} if "feedback" in row else {}
+        out.append({**row, "rule": rule})
+    return out
+
+
+def _close(a, b):
+    """Equal, except that float64 cosines may differ in the last bit between machines."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+    return a == b
+
+
+@pytest.mark.parametrize("run_id", ["demo-small_rule-bp_seed-0", "rule-bp_seed-0"])
+def test_records_written_before_the_lifecycle_port_are_reproduced(tmp_path, run_id):
+    """Records of the pre-port trainer (schema 1): the same config gives the same values."""
+    old = records.load_record(LEGACY / run_id)
+    assert old["schema_version"] == 1
+    new = train_conv(from_dict(ConvConfig, old["config"]), tmp_path / "r")
+    assert _close(records.without_timings(_legacy_rows(old["trajectory"])),
+                  records.without_timings(new["trajectory"]))
+    assert new["final"] == old["final"]
+    assert new["work"]["macs"]["forward"] == old["work"]["macs"]["forward"]

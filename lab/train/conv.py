@@ -1,14 +1,16 @@
 """Train the CIFAR-style ResNet with any registered learning rule.
 
-One epoch loop for every rule: the rule writes ``.grad`` (see
+Only the maths of a conv run lives here: build (data, model, rule, optimizer,
+schedule), one epoch, evaluation. The rule writes ``.grad`` (see
 ``lab.rules.base``), a stock optimizer steps, a per-step LR schedule follows
-(one-cycle by default: Smith & Topin 2019, "Super-convergence"). Per epoch the
-trajectory records training loss/accuracy, validation loss/accuracy, the
-learning rate and the rule's own diagnostics; the test split is evaluated
-exactly once, after the last epoch. A non-finite training loss ends the run
-with status ``diverged`` and keeps the trajectory so far. With an output
-directory every epoch ends with an atomic checkpoint and record, so a killed
-run resumes to the record an uninterrupted run would have written.
+(one-cycle by default: Smith & Topin 2019, "Super-convergence"). Resume,
+checkpoints, the row store, divergence and the record come from the shared
+run lifecycle (``lab.lifecycle``).
+
+Per epoch a row holds training loss/accuracy, validation loss/accuracy, the
+learning rate, the rule's own diagnostics under ``rule`` and, every
+``alignment_every`` epochs, the alignment with backprop; the test split is
+evaluated exactly once, after the last epoch.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from .. import records
 from ..config import ConfigError, bounded, choice, validate
 from ..data import DATASETS, load_dataset
 from ..data.augment import augment
@@ -31,12 +31,11 @@ from ..data.batches import iterate_batches
 from ..device import resolve_device, seeded, set_threads, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
+from ..lifecycle import Divergence, Expectation, Lifecycle
 from ..models import ResNet
-from ..rules import RULES, make_rule, resolve_params
-from .checkpoint import load_checkpoint, save_checkpoint
+from ..rules import RULES, make_rule, resolve_params, rule_class
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-CHECKPOINT = "checkpoint.pt"
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,9 @@ class ConvConfig:
     seed: int = bounded(0, 0)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     threads: int = bounded(0, 0)  # 0 = torch's default
-    checkpoint_every: int = bounded(1, 0)  # epochs; 0 = never
-    progress: bool = True
+    checkpoint_every: int = bounded(1, 0)  # epochs; 0 = only at the end
+    diverge_factor: float = bounded(1e3, 1.0, lo_open=True)  # x the loss at initialisation
+    progress: bool = True  # display only: not part of a run's identity
 
     def __post_init__(self):
         validate(self)
@@ -139,7 +139,9 @@ def _optimizer(config: ConvConfig, params):
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
                                nesterov=config.nesterov and config.momentum > 0,
                                weight_decay=config.weight_decay)
-    return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    # Decoupled decay (Loshchilov & Hutter 2019): an L2 term inside Adam's moments
+    # would give W and a Kolen-Pollack B different effective decays.
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
 @dataclass
@@ -175,7 +177,8 @@ def build_run(config: ConvConfig) -> Run:
                        normalization=config.normalization,
                        residual_scale=config.residual_scale, dtype=dtype).to(device)
     rule = make_rule(config.rule, model, config.rule_params, seed=config.seed)
-    optimizer = _optimizer(config, list(model.parameters()) + list(rule.parameters()))
+    groups = [{"params": list(model.parameters()) + list(rule.parameters())}]
+    optimizer = _optimizer(config, groups + list(rule.param_groups()))
     n_train = len(data.train.y)
     steps_per_epoch = math.ceil(n_train / config.batch_size)
     scheduler = _scheduler(config, optimizer, config.epochs * steps_per_epoch)
@@ -184,7 +187,7 @@ def build_run(config: ConvConfig) -> Run:
                steps_per_epoch)
 
 
-def _train_epoch(run: Run, epoch: int, kind: str) -> dict:
+def _train_epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
     model, cfg = run.model, run.config
     model.train()
     device = run.device
@@ -196,9 +199,10 @@ def _train_epoch(run: Run, epoch: int, kind: str) -> dict:
         x = augment(x, kind, run.generator)
         run.optimizer.zero_grad(set_to_none=True)
         out = run.rule.compute_gradients(x, y, epoch * run.steps_per_epoch + i)
+        if epoch == 0 and i == 0:
+            life.baseline(float(out.loss))  # before any update: the divergence scale
         if cfg.grad_clip:
-            params = [p for g in run.optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            run.rule.clip_gradients(cfg.grad_clip)
         run.optimizer.step()
         run.scheduler.step()
         # Accumulate on the device: no host sync per step.
@@ -209,101 +213,79 @@ def _train_epoch(run: Run, epoch: int, kind: str) -> dict:
             "lr": run.optimizer.param_groups[0]["lr"]}
 
 
-def _state(run: Run, trajectory: list, status: str) -> dict:
-    return {
-        "config": dataclasses.asdict(run.config),
-        "epoch": len(trajectory),
-        "status": status,
-        "trajectory": trajectory,
-        "model": run.model.state_dict(),
-        "rule": run.rule.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "generator": run.generator.get_state(),
-    }
+def parts(run: Run) -> dict:
+    """What a checkpoint restores: every object whose state the next epoch reads."""
+    return {"model": run.model, "rule": run.rule, "optimizer": run.optimizer,
+            "scheduler": run.scheduler, "generator": run.generator}
 
 
-def _restore(run: Run, state: dict) -> list:
-    run.model.load_state_dict(state["model"])
-    run.rule.load_state_dict(state["rule"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.generator.set_state(state["generator"])
-    return state["trajectory"]
+def expectation(config: ConvConfig) -> Expectation:
+    """A complete conv run: one row per epoch, evaluations and alignment on their cadence."""
+    periodic = []
+    if config.eval_every:
+        periodic += [(name, config.eval_every, config.eval_every - 1)
+                     for name in ("val_loss", "val_acc")]
+    if config.alignment_every:
+        periodic.append(("alignment/", config.alignment_every, config.alignment_every - 1))
+    return Expectation(
+        axis="epoch", count=config.epochs,
+        metrics=("train_loss", "train_acc", "lr")
+        # A rule names the diagnostics it records every epoch (``Rule.row_metrics``).
+        + tuple(f"rule/{name}" for name in getattr(rule_class(config.rule), "row_metrics", ())),
+        periodic=tuple(periodic), final=("test_loss", "test_acc"))
 
 
 def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
-               run_id: str | None = None, resume: bool = True) -> dict:
-    """Train per ``config``; returns the run record (also saved under ``out_dir``).
+               run_id: str | None = None) -> dict:
+    """Train per ``config``; returns the run record with its rows under ``trajectory``.
 
-    With ``out_dir`` and ``resume``, a checkpoint left by an interrupted run of
-    the same config is picked up where it stopped.
+    With ``out_dir`` the run is recorded there, and a checkpoint left by an
+    interrupted run of the same config is picked up where it stopped.
     """
-    out = Path(out_dir) if out_dir is not None else None
     run = build_run(config)
-    record = records.new_record(run_id=run_id or (out.name if out else "in-memory"),
-                                kind="conv", config=dataclasses.asdict(config),
-                                device=str(run.device))
-    trajectory: list[dict] = []
-    if out is not None and resume and (out / CHECKPOINT).exists():
-        state = load_checkpoint(out / CHECKPOINT, dataclasses.asdict(config))
-        trajectory = _restore(run, state)
-        if state["status"] == "diverged":
-            record.update(status="diverged", trajectory=trajectory, error=state.get("error"))
-            records.save_run(out, record)
-            return record
-    if out is not None:
-        records.save_run(out, {**record, "trajectory": trajectory})  # visible as "running"
-    kind = config.augment if config.augment != "auto" else run.data.augment
-    status, error = "running", None
-    bar = tqdm(range(len(trajectory), config.epochs), desc=f"{config.rule} seed {config.seed}",
-               unit="epoch", initial=len(trajectory), total=config.epochs,
-               disable=not config.progress)
-    for epoch in bar:
-        start = time.perf_counter()
-        row = {"epoch": epoch, **_train_epoch(run, epoch, kind), "val_loss": None,
-               "val_acc": None}
-        if not math.isfinite(row["train_loss"]):
-            status = "diverged"
-            error = f"non-finite training loss ({row['train_loss']}) in epoch {epoch}"
-        elif config.eval_every and (epoch + 1) % config.eval_every == 0:
-            row["val_loss"], row["val_acc"] = _evaluate(run.model, run.data.val,
-                                                        config.eval_batch_size)
-        row.update(run.rule.epoch_metrics())
-        row["alignment"] = None
-        if config.alignment_every and (epoch + 1) % config.alignment_every == 0 and \
-                status != "diverged":
-            probe = run.data.train
-            n = min(config.alignment_batch, len(probe.y))
-            row["alignment"] = alignment(run.model, run.rule, probe.x[:n], probe.y[:n])
-        sync(run.device)
-        row["epoch_wall_s"] = time.perf_counter() - start
-        trajectory.append(row)
-        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=row["val_acc"])
-        if status == "diverged":
-            break
-        if out is not None and config.checkpoint_every and (
-                (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs):
-            save_checkpoint(out / CHECKPOINT, _state(run, trajectory, status))
-            record.update(trajectory=trajectory)
-            records.save_run(out, record)
-    record.update(trajectory=trajectory, error=error)
-    if status == "diverged":
-        record["status"] = "diverged"
-        if out is not None:
-            state = _state(run, trajectory, "diverged")
-            state["error"] = error
-            save_checkpoint(out / CHECKPOINT, state)
-    else:
-        test_loss, test_acc = _evaluate(run.model, run.data.test, config.eval_batch_size)
-        last = trajectory[-1]
-        record["final"] = {"test_loss": test_loss, "test_acc": test_acc,
-                           "train_loss": last["train_loss"], "train_acc": last["train_acc"],
-                           "val_acc": last.get("val_acc")}
-        record["status"] = "complete"
-    examples = len(trajectory) * len(run.data.train.y)
-    record["work"] = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
-                      "optimizer_steps": len(trajectory) * run.steps_per_epoch}
-    if out is not None:
-        records.save_run(out, record)
-    return record
+    life = Lifecycle(kind="conv", config=config, expect=expectation(config), parts=parts(run),
+                     out_dir=out_dir, run_id=run_id, device=str(run.device),
+                     checkpoint_every=config.checkpoint_every,
+                     divergence=Divergence(factor=config.diverge_factor),
+                     progress=config.progress, desc=f"{config.rule} seed {config.seed}")
+    with life:
+        life.start()
+        if life.finished:
+            return life.result()
+        kind = config.augment if config.augment != "auto" else run.data.augment
+        bar = life.rows()
+        for epoch in bar:
+            row = _epoch(run, epoch, kind, life)
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=row["val_acc"])
+            if not life.log(row):
+                break
+        final = {}
+        if life.status == "running":
+            test_loss, test_acc = _evaluate(run.model, run.data.test, config.eval_batch_size)
+            last = life.rows_logged[-1]
+            final = {"test_loss": test_loss, "test_acc": test_acc,
+                     "train_loss": last["train_loss"], "train_acc": last["train_acc"],
+                     "val_acc": last.get("val_acc")}
+        examples = len(life.rows_logged) * len(run.data.train.y)
+        work = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
+                "optimizer_steps": len(life.rows_logged) * run.steps_per_epoch}
+        return life.finish(final, work)
+
+
+def _epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
+    config = run.config
+    start = time.perf_counter()
+    row = {**_train_epoch(run, epoch, kind, life), "val_loss": None, "val_acc": None}
+    finite = math.isfinite(row["train_loss"])
+    if finite and config.eval_every and (epoch + 1) % config.eval_every == 0:
+        row["val_loss"], row["val_acc"] = _evaluate(run.model, run.data.val,
+                                                    config.eval_batch_size)
+    row["rule"] = run.rule.epoch_metrics()
+    row["alignment"] = None
+    if finite and config.alignment_every and (epoch + 1) % config.alignment_every == 0:
+        probe = run.data.train
+        n = min(config.alignment_batch, len(probe.y))
+        row["alignment"] = alignment(run.model, run.rule, probe.x[:n], probe.y[:n])
+    sync(run.device)
+    row["epoch_wall_s"] = time.perf_counter() - start
+    return row

@@ -1,0 +1,368 @@
+"""One run lifecycle for every trainer: resume, rows, checkpoints, divergence, the record.
+
+A trainer module holds only its own maths (build, one step or epoch,
+evaluate) and hands this module named *parts*: objects with ``state_dict`` /
+``load_state_dict`` (model, optimizer, scheduler, rule, anything of its own)
+or ``torch.Generator`` s. The lifecycle then
+
+- locks the run directory (``lab.runlock``) for the life of the run;
+- resumes from a checkpoint written by the same config (display-only fields
+  such as ``progress`` aside), restoring every part and cutting the row store
+  back to the checkpoint, so a killed run ends with exactly the rows an
+  uninterrupted run logs;
+- logs rows on one named axis (``epoch`` or ``step``) into the append-only
+  row store of ``lab.records`` (a save costs in proportion to the rows added
+  since the last one; the checkpoint carries no copy of them);
+- applies one divergence policy (:class:`Divergence`);
+- writes the final status, metrics and work bill.
+
+It imports nothing from any trainer. The record stores the trainer's
+declaration of what a complete run holds (:class:`Expectation`), so the
+analysis checks completeness without knowing which trainer made a run.
+
+Order of writes at a checkpoint (each one atomic): the new row part, then the
+checkpoint (parts' states + row count), then record.json. A kill between any
+two leaves parts beyond the counts, which readers ignore and a resume removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import records, runlock
+from .config import ConfigError, identity
+
+CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_FORMAT = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a finished run) that cannot be resumed under this config."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a complete run holds; stored in the record as ``expect``.
+
+    Row ``i`` has axis value ``i * stride``. ``metrics`` are required (present
+    and finite) on every row, ``periodic`` entries ``(name, every, offset)`` on
+    rows whose axis value ``v`` has ``(v - offset) % every == 0``, ``final`` in
+    the final metrics. A name ending in "/" is a prefix: at least one metric
+    under it, all finite. Nested row dicts flatten with "/".
+    """
+
+    axis: str
+    count: int
+    stride: int = 1
+    metrics: tuple[str, ...] = ()
+    periodic: tuple[tuple[str, int, int], ...] = ()
+    final: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.axis not in records.AXES:
+            raise ConfigError(f"Expectation.axis={self.axis!r} is not allowed; choose one of: "
+                              f"{', '.join(records.AXES)}")
+        for name in ("count", "stride"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "stride"):
+                raise ConfigError(f"Expectation.{name}={value!r} is not allowed; use an int >= "
+                                  f"{int(name == 'stride')}")
+        for name, every, offset in self.periodic:
+            if not isinstance(every, int) or every < 1 or not isinstance(offset, int):
+                raise ConfigError(f"Expectation.periodic entry ({name!r}, {every!r}, "
+                                  f"{offset!r}) needs an int every >= 1 and an int offset")
+
+    def as_dict(self) -> dict:
+        return {"axis": self.axis, "count": self.count, "stride": self.stride,
+                "metrics": list(self.metrics), "final": list(self.final),
+                "periodic": [list(p) for p in self.periodic]}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """When a run stops as ``diverged`` (the same policy for every trainer).
+
+    The training loss (``loss_key`` of a row) is non-finite, or above ``factor``
+    times the loss at initialisation (:meth:`Lifecycle.baseline`; the first
+    row's loss when none was given), or above ``cap``; or an evaluation loss
+    (``eval_keys``, in a row or the final metrics) is non-finite.
+    """
+
+    loss_key: str = "train_loss"
+    eval_keys: tuple[str, ...] = ("val_loss", "test_loss")
+    factor: float = 1e3
+    cap: float = math.inf
+
+    def __post_init__(self):
+        if not self.factor > 1 or not self.cap > 0:
+            raise ConfigError(f"Divergence factor={self.factor!r} must be > 1 and "
+                              f"cap={self.cap!r} > 0")
+
+    def check(self, values: dict, baseline: float | None, where: str) -> str | None:
+        """Why ``values`` (a row or the final metrics) means divergence, or None."""
+        loss = values.get(self.loss_key)
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            if not math.isfinite(loss):
+                return f"non-finite training loss {self.loss_key}={loss} at {where}"
+            if loss > self.cap:
+                return (f"training loss {self.loss_key}={loss:.4g} at {where} exceeds the "
+                        f"absolute cap {self.cap:.4g}")
+            if baseline is not None and loss > self.factor * baseline:
+                return (f"training loss {self.loss_key}={loss:.4g} at {where} exceeds "
+                        f"{self.factor:g} x the loss at initialisation ({baseline:.4g})")
+        for key in self.eval_keys:
+            value = values.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) \
+                    and not math.isfinite(value):
+                return f"non-finite evaluation loss {key}={value} at {where}"
+        return None
+
+
+def _state(part):
+    return part.get_state() if isinstance(part, torch.Generator) else part.state_dict()
+
+
+def _load(part, state) -> None:
+    if isinstance(part, torch.Generator):
+        part.set_state(state)
+    else:
+        part.load_state_dict(state)
+
+
+@dataclass
+class Lifecycle:
+    """One run's life on disk (or in memory with ``out_dir=None``); see the module docstring."""
+
+    kind: str
+    config: object  # a frozen config dataclass
+    expect: Expectation
+    parts: dict
+    out_dir: str | Path | None = None
+    run_id: str | None = None
+    device: str | None = None
+    checkpoint_every: int = 1  # rows between checkpoints; 0 = only at the end
+    divergence: Divergence = field(default_factory=Divergence)
+    progress: bool = True
+    desc: str = ""
+
+    def __post_init__(self):
+        self.out = Path(self.out_dir).resolve() if self.out_dir is not None else None
+        self.axis = self.expect.axis
+        self.config_dict = dataclasses.asdict(self.config)
+        self.rows_logged: list[dict] = []  # every row of the run, in memory
+        self.pending: list[dict] = []  # rows not yet in the store
+        self.finished = False
+        self.status, self.error = "running", None
+        self._baseline: float | None = None
+        self._lock = contextlib.ExitStack()
+        self._held = False
+        self.record = records.new_record(
+            run_id=self.run_id or (self.out.name if self.out else "in-memory"), kind=self.kind,
+            config=self.config_dict, device=self.device)
+        self.record["expect"] = self.expect.as_dict()
+
+    # -- start and resume ---------------------------------------------------
+
+    def start(self) -> int:
+        """Lock, resume if possible, write the ``running`` record; rows already done."""
+        if self.out is None:
+            return 0
+        self._lock.enter_context(runlock.hold(self.out))
+        self._held = True
+        try:
+            return self._resume()
+        except BaseException:
+            self.close()
+            raise
+
+    def _resume(self) -> int:
+        # Temp files of writes a kill cut short; we hold the lock, so nobody is writing them.
+        for leftover in [*self.out.glob(".*.tmp"), *self.out.glob(f"{records.ROWS_DIR}/*/.*.tmp")]:
+            leftover.unlink(missing_ok=True)
+        old = self._old_record()
+        ckpt = self.out / CHECKPOINT
+        if ckpt.exists():
+            state = self._read_checkpoint(ckpt)
+            for name, part in self.parts.items():
+                _load(part, state["parts"][name])
+            done, self._baseline = state["rows"], state["baseline"]
+            self.status, self.error = state["status"], state["error"]
+            records.truncate_rows(self.out, self.axis, done)
+            self.rows_logged = records.read_rows(self.out, self.axis, done)
+        else:
+            if old is not None and old["status"] in ("complete", "diverged"):
+                self._refuse_different(old, "record.json")
+                self.finished, self.record = True, old
+                self.rows_logged = old.pop(records.ROW_KEYS[self.axis], [])
+                self.close()
+                return len(self.rows_logged)
+            done = 0
+            records.truncate_rows(self.out, self.axis, 0)
+        if old is not None:
+            self.record["created"] = old["created"]
+        self.record["rows"] = {self.axis: done}
+        if self.status != "running":
+            self.finished = True
+            self.record.update(status=self.status, error=self.error,
+                               final=old["final"] if old else {},
+                               work=old["work"] if old else {})
+            self.close()
+            return done
+        records.write_record(self.out, self.record)
+        return done
+
+    def _old_record(self) -> dict | None:
+        if not (self.out / records.RECORD_FILE).exists():
+            return None
+        try:
+            return records.load_record(self.out)
+        except records.RecordError:
+            return None  # a damaged record of an unfinished run: the checkpoint decides
+
+    def _refuse_different(self, saved_config: dict, what: str) -> None:
+        # Compared as stored (NaN == NaN there), which is also how a resumed record reads.
+        saved = records.encode_nonfinite(identity(saved_config.get("config", saved_config)))
+        now = records.encode_nonfinite(identity(self.config_dict))
+        differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if differ:
+            detail = ", ".join(f"{k}: {saved.get(k)!r} there vs {now.get(k)!r} now"
+                               for k in differ)
+            raise CheckpointError(
+                f"{self.out / what} belongs to a run with a different config ({detail}); "
+                "use another output directory, or move this one aside to start afresh")
+
+    def _read_checkpoint(self, path: Path) -> dict:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for a damaged file
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); delete it "
+                "to start the run afresh") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"checkpoint {path} was written by an older lab (format "
+                f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this lab reads "
+                f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
+        if "identity" in state:
+            self._refuse_different(state["identity"], CHECKPOINT)
+        missing = sorted(set(self.parts) - set(state.get("parts", {})))
+        if missing or "identity" not in state:
+            raise CheckpointError(
+                f"checkpoint {path} lacks {', '.join(missing) or 'its config'}; it was not "
+                "written by this trainer. Delete it to start the run afresh")
+        return state
+
+    # -- rows -----------------------------------------------------------------
+
+    def rows(self):
+        """The remaining row positions, with a progress bar."""
+        done = len(self.rows_logged)
+        return tqdm(range(done, self.expect.count), desc=self.desc or self.kind,
+                    unit=self.axis, initial=done, total=self.expect.count,
+                    disable=not self.progress)
+
+    def baseline(self, loss: float) -> None:
+        """The training loss at initialisation: the divergence bound scales with it."""
+        self._baseline = float(loss)
+
+    def log(self, row: dict) -> bool:
+        """Append one row; False when the run must stop (it diverged)."""
+        position = len(self.rows_logged)
+        row = {self.axis: position * self.expect.stride, **row}
+        records.check_row(row, self.axis, f"{records.ROW_KEYS[self.axis]}[{position}]")
+        self.rows_logged.append(row)
+        self.pending.append(row)
+        if self._baseline is None and isinstance(row.get(self.divergence.loss_key), float):
+            if math.isfinite(row[self.divergence.loss_key]):
+                self._baseline = row[self.divergence.loss_key]
+        why = self.divergence.check(row, self._baseline, f"{self.axis} {row[self.axis]}")
+        if why:
+            self.status, self.error = "diverged", why
+            self._save(checkpoint=True)
+            return False
+        done = len(self.rows_logged)
+        if self.checkpoint_every and done % self.checkpoint_every == 0 \
+                and done < self.expect.count:
+            self._save(checkpoint=True)
+        return True
+
+    def _save(self, *, checkpoint: bool) -> None:
+        self.record.update(status=self.status, error=self.error)
+        if self.out is None:
+            self.pending = []
+            return
+        start = self.record["rows"].get(self.axis, 0)
+        if self.pending:
+            records.write_part(self.out, self.axis, self.pending, start)
+        done = start + len(self.pending)
+        if checkpoint:
+            state = {"format": CHECKPOINT_FORMAT, "identity": identity(self.config_dict),
+                     "rows": done, "baseline": self._baseline, "status": self.status,
+                     "error": self.error,
+                     "parts": {name: _state(part) for name, part in self.parts.items()}}
+            records.atomic_write(self.out / CHECKPOINT, lambda tmp: _save_synced(state, tmp))
+        self.record["rows"] = {**self.record["rows"], self.axis: done}
+        records.write_record(self.out, self.record)
+        self.pending = []
+
+    # -- the end ----------------------------------------------------------------
+
+    def finish(self, final: dict | None = None, work: dict | None = None) -> dict:
+        """Final metrics and bill; status ``complete`` unless the run diverged."""
+        final = dict(final or {})
+        if self.status == "running":
+            why = self.divergence.check(
+                {k: v for k, v in final.items() if k != self.divergence.loss_key}, None,
+                "the final evaluation")
+            self.status, self.error = ("diverged", why) if why else ("complete", None)
+        self.record.update(final=final, work=dict(work or {}))
+        records.validate_record(self.record)
+        try:
+            self._save(checkpoint=True)
+        finally:
+            self.close()
+        self.finished = True
+        return self.result()
+
+    def fail(self, error: str) -> dict:
+        """Mark the run ``failed`` (an exception in the trainer); rows so far are kept."""
+        self.status, self.error = "failed", error
+        try:
+            self._save(checkpoint=False)
+        finally:
+            self.close()
+        return self.result()
+
+    def close(self) -> None:
+        """Release the lock without a status change (an interrupted run stays resumable)."""
+        self._held = False
+        self._lock.close()
+
+    def result(self) -> dict:
+        """The record, with the run's rows under its axis key (``trajectory``/``steps``)."""
+        return {**self.record, records.ROW_KEYS[self.axis]: list(self.rows_logged)}
+
+    def __enter__(self) -> Lifecycle:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        # An interrupt leaves the run resumable; a refusal never touches the run.
+        if exc is not None and self._held and self.status == "running" \
+                and not isinstance(exc, KeyboardInterrupt):
+            self.fail(f"{type(exc).__name__}: {exc}")
+        self.close()
+
+
+def _save_synced(state: dict, tmp: Path) -> None:
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint

@@ -1,0 +1,300 @@
+"""The shared run lifecycle: divergence, resume, kills at any moment, refusals, row store.
+
+Most checks use the synthetic trainer (``lab.train.synthetic``), whose steps
+cost microseconds, so kills can land anywhere, including inside a save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from lab import records
+from lab.lifecycle import CHECKPOINT, CheckpointError, Divergence, Expectation, Lifecycle
+from lab.train.synthetic import SyntheticConfig, train_synthetic
+
+
+def _rows(record):
+    return record["steps"]
+
+
+# ---------------------------------------------------------------------------
+# divergence: one policy, each trigger
+
+
+@pytest.mark.parametrize("key,value,eval_every,message", [
+    ("train_loss", math.inf, 0, r"non-finite training loss train_loss=inf at step 7"),
+    ("train_loss", math.nan, 0, r"non-finite training loss train_loss=nan at step 7"),
+    ("train_loss", 1e9, 0, r"train_loss=1e\+09 at step 7 exceeds 1000 x the loss at init"),
+    ("val_loss", math.nan, 1, r"non-finite evaluation loss val_loss=nan at step 7"),
+])
+def test_each_divergence_trigger_stops_the_run_and_keeps_its_rows(tmp_path, key, value,
+                                                                  eval_every, message):
+    config = SyntheticConfig(steps=20, blow_up_at=7, blow_up_key=key, blow_up_value=value,
+                             eval_every=eval_every, checkpoint_every=3)
+    record = train_synthetic(config, tmp_path / "r")
+    assert record["status"] == "diverged"
+    assert len(_rows(record)) == 8  # rows 0..7, the offending one included
+    import re
+    assert re.search(message, record["error"]), record["error"]
+    saved = records.load_record(tmp_path / "r")
+    assert saved["status"] == "diverged" and saved["error"] == record["error"]
+    assert saved["rows"] == {"step": 8}
+    assert json.dumps(saved["steps"][:7]) == json.dumps(record["steps"][:7])
+    # Resuming a diverged run returns it as it is, without training again.
+    again = train_synthetic(config, tmp_path / "r")
+    assert again["status"] == "diverged" and len(_rows(again)) == 8
+
+
+def test_absolute_cap_triggers_below_the_factor_bound(tmp_path):
+    config = SyntheticConfig(steps=10, blow_up_at=3, blow_up_value=50.0)
+    record = train_synthetic(config, tmp_path / "r", divergence=Divergence(cap=40.0))
+    assert record["status"] == "diverged"
+    assert "exceeds the absolute cap 40" in record["error"]
+    fine = train_synthetic(config, tmp_path / "s")  # 50 < 1000 x the initial loss
+    assert fine["status"] == "complete"
+
+
+def test_factor_scales_with_the_baseline_not_a_fixed_number():
+    policy = Divergence(factor=10.0)
+    assert policy.check({"train_loss": 25.0}, 2.0, "step 1") is not None
+    assert policy.check({"train_loss": 25.0}, 3.0, "step 1") is None
+    assert policy.check({"train_loss": 19.9}, 2.0, "step 1") is None
+
+
+def test_non_finite_final_evaluation_diverges(tmp_path):
+    config = SyntheticConfig(steps=3)
+    life = Lifecycle(kind="t", config=config, expect=Expectation("step", 3), parts={},
+                     out_dir=tmp_path / "r", progress=False)
+    with life:
+        life.start()
+        for _ in life.rows():
+            life.log({"train_loss": 1.0})
+        record = life.finish({"test_loss": math.nan, "test_acc": 0.5})
+    assert record["status"] == "diverged"
+    assert "non-finite evaluation loss test_loss=nan at the final evaluation" in record["error"]
+    assert records.load_record(tmp_path / "r")["status"] == "diverged"
+
+
+@pytest.mark.parametrize("bad", [{"factor": 1.0}, {"cap": 0.0}])
+def test_divergence_policy_refuses_bounds_that_stop_every_run(bad):
+    with pytest.raises(ValueError, match="must be > 1 and cap"):
+        Divergence(**bad)
+
+
+# ---------------------------------------------------------------------------
+# resume, refusals, what a checkpoint holds
+
+
+def test_resume_refuses_another_config_but_not_a_display_flag(tmp_path):
+    config = SyntheticConfig(steps=30, checkpoint_every=5)
+    life = Lifecycle(kind="synthetic", config=config, expect=Expectation("step", 30), parts={},
+                     out_dir=tmp_path / "r", progress=False, checkpoint_every=5)
+    with life:
+        life.start()
+        for _ in range(12):
+            life.log({"train_loss": 1.0})
+        life.close()  # interrupted: 10 rows are in the store
+    with pytest.raises(CheckpointError, match=r"different config \(lr: 0.05 there vs 0.1 now\)"):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5, lr=0.1), tmp_path / "r")
+    assert records.load_record(tmp_path / "r")["status"] == "running"
+    # progress is display-only: the same run, resumed (its checkpoint had no parts, so
+    # the synthetic trainer's parts are missing and it says so instead of guessing).
+    with pytest.raises(CheckpointError, match="lacks generator, weights"):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5, progress=True),
+                        tmp_path / "r")
+
+
+def test_display_only_change_resumes(tmp_path):
+    config = SyntheticConfig(steps=40, checkpoint_every=5)
+    full = train_synthetic(config, tmp_path / "ref")
+    _interrupt(SyntheticConfig(steps=40, checkpoint_every=5), tmp_path / "r", after=17)
+    resumed = train_synthetic(SyntheticConfig(steps=40, checkpoint_every=5, progress=True),
+                              tmp_path / "r")
+    assert resumed["steps"] == full["steps"] and resumed["final"] == full["final"]
+
+
+def _interrupt(config, out, after):
+    """Run ``after`` rows, then stop as a KeyboardInterrupt would (run stays resumable)."""
+    calls = {"n": 0}
+    original = Lifecycle.log
+
+    def log(self, row):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise KeyboardInterrupt
+        return original(self, row)
+
+    Lifecycle.log = log
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_synthetic(config, out)
+    finally:
+        Lifecycle.log = original
+    assert records.load_record(out)["status"] == "running"
+
+
+def test_checkpoint_holds_state_and_a_count_not_the_rows(tmp_path):
+    train_synthetic(SyntheticConfig(steps=25, checkpoint_every=10), tmp_path / "r")
+    state = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
+    assert set(state) == {"format", "identity", "rows", "baseline", "status", "error", "parts"}
+    assert state["rows"] == 25 and set(state["parts"]) == {"weights", "generator"}
+    # One part per save: rows 0-10, 10-20, 20-25.
+    names = sorted(p.name for p in (tmp_path / "r" / "rows" / "step").iterdir())
+    assert names == ["000000000-000000010.jsonl", "000000010-000000020.jsonl",
+                     "000000020-000000025.jsonl"]
+    record = json.loads((tmp_path / "r" / "record.json").read_text())
+    assert "steps" not in record and "trajectory" not in record
+    assert record["rows"] == {"step": 25} and record["expect"]["count"] == 25
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda s: s.pop("identity"), "lacks its config"),
+    (lambda s: s["parts"].pop("generator"), "lacks generator"),
+    (lambda s: s.pop("format"), "written by an older lab"),
+])
+def test_damaged_checkpoint_is_refused_not_resumed(tmp_path, damage, message):
+    config = SyntheticConfig(steps=20, checkpoint_every=5)
+    _interrupt(config, tmp_path / "r", after=12)
+    path = tmp_path / "r" / CHECKPOINT
+    state = torch.load(path, weights_only=True)
+    damage(state)
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=message):
+        train_synthetic(config, tmp_path / "r")
+
+
+def test_unreadable_checkpoint_names_the_file(tmp_path):
+    config = SyntheticConfig(steps=20, checkpoint_every=5)
+    _interrupt(config, tmp_path / "r", after=12)
+    (tmp_path / "r" / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*checkpoint.pt cannot be read"):
+        train_synthetic(config, tmp_path / "r")
+
+
+def test_finished_run_is_returned_untouched_and_another_config_refused(tmp_path):
+    config = SyntheticConfig(steps=10)
+    first = train_synthetic(config, tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).unlink()  # as the committed fixtures are kept
+    before = (tmp_path / "r" / "record.json").read_bytes()
+    again = train_synthetic(config, tmp_path / "r")
+    assert again["steps"] == first["steps"] and again["created"] == first["created"]
+    with pytest.raises(CheckpointError, match=r"different config \(steps: 10 there vs 12 now\)"):
+        train_synthetic(SyntheticConfig(steps=12), tmp_path / "r")
+    assert (tmp_path / "r" / "record.json").read_bytes() == before
+
+
+def test_a_second_process_cannot_enter_a_locked_run(tmp_path):
+    from lab.runlock import RunLocked, acquire
+
+    lock = acquire(tmp_path / "r")
+    try:
+        with pytest.raises(RunLocked, match=f"in use by process {os.getpid()}"):
+            train_synthetic(SyntheticConfig(steps=5), tmp_path / "r")
+    finally:
+        lock.release()
+    assert not (tmp_path / "r" / "record.json").exists()
+
+
+def test_in_memory_run_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    record = train_synthetic(SyntheticConfig(steps=12, checkpoint_every=5))
+    assert record["status"] == "complete" and len(record["steps"]) == 12
+    assert os.listdir(tmp_path) == []
+
+
+def test_expectation_refuses_bad_declarations():
+    with pytest.raises(ValueError, match="Expectation.axis='epochs' is not allowed"):
+        Expectation("epochs", 3)
+    with pytest.raises(ValueError, match="Expectation.stride=0 is not allowed"):
+        Expectation("step", 3, stride=0)
+    with pytest.raises(ValueError, match="needs an int every >= 1"):
+        Expectation("step", 3, periodic=(("val_loss", 0, 0),))
+
+
+# ---------------------------------------------------------------------------
+# SIGKILL at any moment, including inside a save
+
+
+KILL_CONFIG = SyntheticConfig(steps=1500, checkpoint_every=7, eval_every=9)
+
+
+def _child(out, kill_at_replace: int | None, after: bool) -> None:
+    """Run in a forked child; optionally SIGKILL itself at its n-th atomic rename
+    (``after``: just after it, else with the temp file written and not yet renamed)."""
+    torch.set_num_threads(1)
+    if kill_at_replace is not None:
+        calls = {"n": 0}
+        real = os.replace
+
+        def replace(src, dst):
+            calls["n"] += 1
+            if calls["n"] == kill_at_replace and not after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+            if calls["n"] == kill_at_replace and after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        records.os.replace = replace
+    try:
+        train_synthetic(KILL_CONFIG, out)
+    finally:
+        os._exit(0)
+
+
+def _fork(out, kill_at_replace=None, after=False) -> int:
+    pid = os.fork()
+    if pid == 0:
+        _child(out, kill_at_replace, after)
+    return pid
+
+
+def _valid(out) -> int:
+    record = records.load_record(out)  # validates record.json and every counted part
+    records.run_metrics(out)
+    assert record["status"] == "running"
+    return record["rows"].get("step", 0)
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_never_breaks_the_store_and_resume_is_exact(tmp_path):
+    reference = train_synthetic(KILL_CONFIG, tmp_path / "reference")
+    out = tmp_path / "killed"
+    rng = random.Random(0)
+    kills, progress = 0, []
+    # Inside saves: at the n-th atomic rename of the child (row part, checkpoint or record),
+    # before it (temp file written) or just after it (the next file not yet written).
+    for i, n in enumerate(rng.sample(range(2, 40), 12)):
+        pid = _fork(out, kill_at_replace=n, after=bool(i % 2))
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status)
+        kills += 1
+        progress.append(_valid(out))
+    # At random moments from outside.
+    for _ in range(12):
+        pid = _fork(out)
+        time.sleep(rng.uniform(0.02, 0.4))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            kills += 1
+            progress.append(_valid(out))
+    assert kills >= 20, f"only {kills} kills landed"
+    assert progress == sorted(progress) and progress[-1] < KILL_CONFIG.steps
+    resumed = train_synthetic(KILL_CONFIG, out)
+    assert resumed["status"] == "complete"
+    assert resumed["steps"] == reference["steps"]
+    assert resumed["final"] == reference["final"]
+    assert records.load_record(out)["steps"] == reference["steps"]
+    # Resume cut the store back each time: its parts tile the rows exactly, none left over.
+    spans = sorted(tuple(map(int, p.name.split(".")[0].split("-")))
+                   for p in (out / "rows" / "step").iterdir())
+    assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]]
+    assert spans[-1][1] == KILL_CONFIG.steps
