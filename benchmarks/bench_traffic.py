@@ -1,0 +1,64 @@
+"""kp_traffic step / kp step on the 2-D ResNet-20 at batch 128 (CPU): target <= 1.15.
+
+Clean transport adds no multiply-accumulates (the weight-gradient product takes
+the mixed signal, the input-gradient product the clean one), only element-wise
+work: the fused mixed-apical kernel, the local norm/ReLU derivative applied to
+the used signal, and the predictor update. Steps of the two rules alternate and
+the median of each is compared, in one run::
+
+    .venv/bin/python benchmarks/bench_traffic.py [--repeats 7] [--batch 128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lab.models import ResNet
+from lab.rules import make_rule
+
+
+def _step(model, rule, x, y, step):
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    rule.compute_gradients(x, y, step)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="ResNet-8, batch 32: a smoke run")
+    args = parser.parse_args()
+    depth, batch = (8, 32) if args.quick else (20, args.batch)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    rules = {}
+    for name, params in (("kp", {}), ("kp_traffic", {"traffic_rule": "innovation",
+                                                     "traffic_calibration_examples": batch,
+                                                     "predictor_warmup_steps": 2,
+                                                     "predictor_batch": batch})):
+        torch.manual_seed(0)
+        model = ResNet(depth, 16, dims=2, in_channels=3, n_classes=10)
+        rule = make_rule(name, model, params)
+        rule.prepare(x, y)
+        _step(model, rule, x, y, 0)  # warm-up (allocator, numba compilation)
+        rules[name] = (model, rule)
+    times = {name: [] for name in rules}
+    for i in range(args.repeats):
+        for name, (model, rule) in rules.items():
+            times[name].append(_step(model, rule, x, y, i + 1))
+    kp, traffic = statistics.median(times["kp"]), statistics.median(times["kp_traffic"])
+    print(f"ResNet-{depth} 2-D, batch {batch}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}")
+    print(f"kp step {1e3 * kp:.1f} ms, kp_traffic step {1e3 * traffic:.1f} ms")
+    print(f"kp_traffic / kp: {traffic / kp:.3f} (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""kp_traffic: the DESIGN section 5 invariants, in float64 on small 1-D and 2-D ResNets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.config import ConfigError
+from lab.models import ResNet
+from lab.models.mlp import MLP
+from lab.rules import make_rule
+
+TRAFFIC_RULES = ("raw", "matched", "innovation")
+SHAPES = {1: (1, 40), 2: (3, 8, 8)}
+
+
+def _setup(rule, params=None, dims=1, seed=3, model_seed=0, normalization="batchnorm"):
+    torch.manual_seed(model_seed)
+    channels = SHAPES[dims][0]
+    model = ResNet(8, 4, dims=dims, in_channels=channels, n_classes=10,
+                   normalization=normalization, dtype=torch.float64)
+    return model, make_rule(rule, model, params or {}, seed=seed)
+
+
+def _batch(dims, n=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *SHAPES[dims], generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
+def _grads(model, rule, x, y, record=False):
+    model.zero_grad(set_to_none=True)
+    for b in getattr(rule, "feedback", []):
+        b.grad = None
+    out = rule.compute_gradients(x, y, None, record=record)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    feedback = [b.grad.clone() for b in rule.feedback]
+    return grads, feedback, out
+
+
+def _calibrated(dims, traffic_rule, **extra):
+    model, rule = _setup("kp_traffic", {"traffic_rule": traffic_rule,
+                                        "traffic_calibration_examples": 20,
+                                        "predictor_warmup_steps": 0, **extra}, dims)
+    x, y = _batch(dims)
+    rule.prepare(x, y)
+    return model, rule, x, y
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("normalization", ["batchnorm", "none"])
+@pytest.mark.parametrize("traffic_rule", TRAFFIC_RULES)
+def test_zero_gain_and_zero_predictor_give_clean_kp_exactly(dims, normalization, traffic_rule):
+    x, y = _batch(dims)
+    model, kp = _setup("kp", dims=dims, normalization=normalization)
+    clean, clean_b, _ = _grads(model, kp, x, y)
+    model, rule = _setup("kp_traffic", {"traffic_rule": traffic_rule}, dims,
+                         normalization=normalization)
+    assert rule.gains == [0.0] * len(rule.gains)  # before calibration
+    mixed, mixed_b, _ = _grads(model, rule, x, y)
+    assert clean.keys() == mixed.keys()
+    for name in clean:
+        assert torch.equal(clean[name], mixed[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(clean_b, mixed_b))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_the_none_reference_is_clean_kp_with_the_traffic_calibrated(dims):
+    x, y = _batch(dims)
+    model, kp = _setup("kp", dims=dims)
+    clean, clean_b, _ = _grads(model, kp, x, y)
+    model, rule, _, _ = _calibrated(dims, "none")
+    assert min(rule.gains) > 0
+    mixed, mixed_b, _ = _grads(model, rule, x, y)
+    for name in clean:
+        assert torch.equal(clean[name], mixed[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(clean_b, mixed_b))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_calibration_meets_the_ratio_on_the_calibration_examples(dims):
+    model, rule, x, y = _calibrated(dims, "raw", traffic_ratio=2.5)
+    hs, instructions = rule.instructions(x[:20], y[:20])
+    for i, (h, instruction) in enumerate(zip(hs, instructions)):
+        traffic = rule.coefficients[i] * rule.gains[i] * h
+        ratio = traffic.square().mean().sqrt() / instruction.square().mean().sqrt()
+        assert abs(float(ratio) - 2.5) < 1e-12, (i, float(ratio))
+    # The coefficients are exp(0.25 N(0,1)): log-normal around 1, with log-std 0.25.
+    logs = torch.cat([c.log().flatten() for c in rule.coefficients])
+    assert abs(float(logs.std()) - 0.25) < 0.02 and abs(float(logs.mean())) < 0.02
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_an_exact_predictor_leaves_innovation_equal_to_the_instruction(dims):
+    model, rule, x, y = _calibrated(dims, "innovation")
+    for i in range(len(rule.P)):
+        rule.P[i] = rule.coefficients[i] * rule.gains[i]
+        rule.b[i].zero_()
+    _, _, out = _grads(model, rule, x, y, record=True)
+    import numba_kernels
+    for i, instruction in enumerate(out.teaching):
+        h = rule.last_h[i]
+        used = numba_kernels.mixed_apical(instruction, h, rule.coefficients[i], rule.gains[i],
+                                          rule.P[i], rule.b[i], "innovation").used
+        assert (used - instruction).abs().max() <= 1e-14 * instruction.abs().max()
+    # ... and so the innovation rule trains exactly as clean KP does.
+    clean_model, kp = _setup("kp", dims=dims)
+    clean, _, _ = _grads(clean_model, kp, x, y)
+    mixed, _, _ = _grads(model, rule, x, y)
+    for name in clean:
+        torch.testing.assert_close(mixed[name], clean[name], rtol=1e-12, atol=1e-15)
+
+
+def test_matched_has_the_innovation_norm_and_the_raw_direction():
+    import numba_kernels
+
+    model, rule, x, y = _calibrated(1, "matched")
+    rule.P[3] = 0.5 * rule.coefficients[3] * rule.gains[3]  # half the traffic predicted
+    _, _, out = _grads(model, rule, x, y, record=True)
+    for i, instruction in enumerate(out.teaching):
+        h = rule.last_h[i]
+        signals = {name: numba_kernels.mixed_apical(instruction, h, rule.coefficients[i],
+                                                    rule.gains[i], rule.P[i], rule.b[i],
+                                                    name).used for name in TRAFFIC_RULES}
+        m, n, r = (signals[k].flatten(1) for k in ("matched", "innovation", "raw"))
+        torch.testing.assert_close(m.norm(dim=1), n.norm(dim=1), rtol=1e-12, atol=0)
+        cos = (m * r).sum(1) / (m.norm(dim=1) * r.norm(dim=1))
+        assert (cos - 1).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("traffic_rule", TRAFFIC_RULES)
+def test_each_layer_learns_from_the_used_signal_at_its_population(traffic_rule):
+    """Oracle: autograd of sum(U * h) / B w.r.t. the producing layer alone."""
+    import numba_kernels
+
+    model, rule, x, y = _calibrated(2, traffic_rule)
+    rule.P[2] = 0.3 * rule.coefficients[2] * rule.gains[2]
+    rule.b[2].fill_(0.01)
+    grads, feedback, out = _grads(model, rule, x, y, record=True)
+    used = [numba_kernels.mixed_apical(out.teaching[i], rule.last_h[i], rule.coefficients[i],
+                                       rule.gains[i], rule.P[i], rule.b[i], traffic_rule).used
+            for i in range(len(out.teaching))]
+    populations = {}
+
+    def tap(i, h):
+        populations[i] = h
+        return h
+
+    model(x, tap=tap)
+    layers = [model.stem] + [c for blk in model.blocks for c in (blk.conv1, blk.conv2)]
+    norms = [model.stem_norm] + [n for blk in model.blocks for n in (blk.norm1, blk.norm2)]
+    for i, (conv, norm) in enumerate(zip(layers, norms)):
+        surrogate = (used[i].detach() * populations[i]).sum() / len(y)
+        want = torch.autograd.grad(surrogate, [conv.weight, norm.weight, norm.bias],
+                                   retain_graph=True)
+        name = [n for n, p in model.named_parameters() if p is conv.weight][0]
+        torch.testing.assert_close(grads[name], want[0], rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(norm.weight.grad, want[1], rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(norm.bias.grad, want[2], rtol=1e-10, atol=1e-13)
+    # Kolen-Pollack: every feedback tensor gets exactly its forward weight's update.
+    for (_, module), b_grad in zip(rule.layers, feedback):
+        assert torch.equal(b_grad, module.weight.grad)
+    # The traffic is large: the used signal is not the instruction.
+    if traffic_rule != "innovation":
+        assert float((used[0] - out.teaching[0]).norm()) > float(out.teaching[0].norm())
+
+
+@pytest.mark.parametrize("traffic_rule", TRAFFIC_RULES)
+def test_traffic_never_reaches_a_lower_population(traffic_rule):
+    model, rule, x, y = _calibrated(1, traffic_rule)
+    _, _, first = _grads(model, rule, x, y, record=True)
+    rule.gains = [10 * g for g in rule.gains]
+    grads, _, second = _grads(model, rule, x, y, record=True)
+    for a, b in zip(first.teaching, second.teaching):
+        assert torch.equal(a, b)
+    # The weight updates, which take the mixed signal, do change.
+    _, kp = _setup("kp", dims=1)
+    clean, _, _ = _grads(*_setup("kp", dims=1), x, y)
+    assert not torch.equal(grads["stem.weight"], clean["stem.weight"])
+
+
+def test_the_predictor_update_depends_on_its_own_units_only():
+    _, rule_a, x, y = _calibrated(1, "innovation")
+    # Another network entirely: every forward and feedback weight differs.
+    _, rule_c = _setup("kp_traffic", {"predictor_warmup_steps": 0}, 1, model_seed=7, seed=11)
+    with torch.no_grad():
+        for b in rule_c.feedback:
+            b.normal_()
+    rule_a.compute_gradients(x, y, None)
+    h = {i: t.clone() for i, t in rule_a.last_h.items()}
+    rule_c.gains, rule_c.coefficients = list(rule_a.gains), [c.clone() for c in
+                                                             rule_a.coefficients]
+    for rule in (rule_a, rule_c):
+        rule.P = [torch.zeros_like(t[0]) for t in h.values()]
+        rule.b = [torch.zeros_like(t[0]) for t in h.values()]
+        rule.predict(h)
+    for i, hi in h.items():
+        assert torch.equal(rule_a.P[i], rule_c.P[i]) and torch.equal(rule_a.b[i], rule_c.b[i])
+        # From zero, one NLMS step on T = g C h (an exact linear function of h, per unit)
+        # moves P to eta x g C wherever h varies over the batch, and b to eta x mean(T).
+        gc = rule_a.coefficients[i] * rule_a.gains[i]
+        varies = hi.var(0) > 1e-6
+        eta = rule_a.params.predictor_lr
+        torch.testing.assert_close(rule_a.P[i][varies], eta * gc[varies], rtol=1e-6, atol=0)
+        torch.testing.assert_close(rule_a.b[i], eta * (gc * hi).mean(0), rtol=1e-12,
+                                   atol=1e-15)
+
+
+def test_warm_up_learns_the_traffic_and_is_recorded():
+    model, rule = _setup("kp_traffic", {"traffic_calibration_examples": 20,
+                                        "predictor_warmup_steps": 20, "predictor_batch": 16})
+    x, y = _batch(1, n=40)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(5))
+    rule.prepare(x, y)
+    assert rule.warmup["first_ratio"] == pytest.approx(1.0)  # P = b = 0: nothing predicted
+    assert rule.warmup["last_ratio"] < 1e-3
+    # The rule draws warm-up batches with its own generator: the global one is untouched.
+    assert torch.equal(order, torch.randperm(40, generator=torch.Generator().manual_seed(5)))
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"traffic_calibration_examples": 100}, r"traffic_calibration_examples=100 but the "
+                                            r"training set has only 40 examples"),
+    ({"predictor_batch": 64, "traffic_calibration_examples": 40},
+     r"predictor_batch=64 but the training set has only 40"),
+])
+def test_examples_that_do_not_exist_are_refused(params, message):
+    _, rule = _setup("kp_traffic", params)
+    x, y = _batch(1, n=40)
+    with pytest.raises(ConfigError, match=message):
+        rule.prepare(x, y)
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"traffic_rule": "mixed"}, r"traffic_rule='mixed' is not allowed; choose one of: 'none', 'raw'"),
+    ({"traffic_ratio": -1.0}, r"traffic_ratio=-1.0 is out of range"),
+    ({"predictor_lr": 0.0}, r"predictor_lr=0.0 is out of range"),
+])
+def test_bad_parameters_are_refused(params, message):
+    with pytest.raises(ConfigError, match=message):
+        _setup("kp_traffic", params)
+
+
+def test_a_model_without_known_populations_is_refused():
+    model = MLP(40, (16,), 10)
+    with pytest.raises(ConfigError, match="kp_traffic' needs a lab.models.ResNet"):
+        make_rule("kp_traffic", model, {})
