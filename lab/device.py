@@ -24,9 +24,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def set_threads(threads: int) -> int:
-    """0 keeps torch's default; returns the thread count in force."""
+    """0 keeps torch's default; returns the thread count in force.
+
+    Numba's parallel kernels (``numba_kernels``) get the same count, so the two
+    thread pools do not oversubscribe the cores (thread-local: call it in the
+    thread that trains).
+    """
     if threads > 0:
         torch.set_num_threads(threads)
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     return torch.get_num_threads()
 
 

@@ -1,11 +1,43 @@
-"""Fused element-wise kernels for the learning rules: the math once, in three forms.
+"""Fused element-wise kernels for the learning rules: the maths once, in three forms.
 
-Each kernel will exist as a CUDA kernel (numba-cuda, zero-copy on torch CUDA
-tensors), a CPU kernel (numba njit, parallel, zero-copy on CPU tensors) and a
-plain torch reference, behind one dispatcher that picks by the tensors'
-device; tests compare the first two with the reference (CUDA on the simulator,
-NUMBA_ENABLE_CUDASIM=1). The first kernels arrive with the mixed-apical-traffic
-rules (DESIGN section 5): traffic / raw / innovation in one fused pass with
-the sums of squares and per-example norms, the predictor's per-unit
-reductions, and ``aux_add`` (dst += src) for the CfC trainer.
+The mixed apical compartment of DESIGN section 5 (seed 003, the MT-1 protocol;
+apical "traffic" beside the teaching signal, as in Kolen-Pollack learning with
+a per-unit predictor), and the CfC trainer's gradient merge (DESIGN section 7):
+
+- ``mixed_apical(I, h, C, gain, P, b, rule)``: traffic, raw, innovation and
+  matched signals of one population in one fused pass, with the sums of
+  squares for RMS logging (matched: per-example norms in the same pass, the
+  rescaling in a second);
+- ``predictor_update(h, T, P, b, eta)``: the per-unit normalised-LMS step of the
+  traffic predictor (per-unit reductions over the batch), in place;
+- ``aux_add(dst, src)``: ``dst += src`` in place.
+
+Each exists as a CUDA kernel (``gpu.py``: numba-cuda, zero-copy on torch CUDA
+tensors, on torch's current stream), a CPU kernel (``cpu.py``: ``numba.njit(
+parallel=True)``, zero-copy on CPU tensors) and a plain torch reference
+(``reference.py``); ``dispatch.py`` checks the tensors and picks the form by
+device (``backend="torch"`` forces the reference). Reductions use no atomics:
+fixed chunking and a fixed combine order, so results repeat bit for bit. The
+CPU kernels run on ``NUMBA_NUM_THREADS`` threads (set it per run beside the
+torch/OpenMP thread variables so the two pools do not oversubscribe the cores).
+Tests hold the CPU forms and the CUDA forms (on the simulator,
+``NUMBA_ENABLE_CUDASIM=1``) to the reference and compile every CUDA kernel to
+PTX for sm_90.
 """
+
+from .dispatch import BACKENDS, RULES, aux_add, mixed_apical, predictor_update
+from .reference import aux_add_reference, mixed_apical_reference, predictor_update_reference
+from .results import MixedApical, PredictorStats
+
+__all__ = [
+    "BACKENDS",
+    "RULES",
+    "MixedApical",
+    "PredictorStats",
+    "aux_add",
+    "aux_add_reference",
+    "mixed_apical",
+    "mixed_apical_reference",
+    "predictor_update",
+    "predictor_update_reference",
+]

@@ -249,7 +249,9 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
                      divergence=Divergence(factor=config.diverge_factor),
                      progress=config.progress, desc=f"{config.rule} seed {config.seed}")
     with life:
-        life.start()
+        if life.start() == 0:
+            # Calibrations and warm-ups of a fresh run; a resumed one restores them.
+            run.rule.prepare(run.data.train.x, run.data.train.y)
         if life.finished:
             return life.result()
         kind = config.augment if config.augment != "auto" else run.data.augment
@@ -266,6 +268,11 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
             final = {"test_loss": test_loss, "test_acc": test_acc,
                      "train_loss": last["train_loss"], "train_acc": last["train_acc"],
                      "val_acc": last.get("val_acc")}
+            probe = run.data.train
+            n = min(config.alignment_batch, len(probe.y))
+            diagnostics = run.rule.final_metrics(probe.x[:n], probe.y[:n])
+            if diagnostics:
+                final["rule"] = diagnostics
         examples = len(life.rows_logged) * len(run.data.train.y)
         work = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
                 "optimizer_steps": len(life.rows_logged) * run.steps_per_epoch}

@@ -1,0 +1,241 @@
+"""Price series and a multi-horizon loader for the CfC perception trainer (DESIGN sections 7, 9).
+
+Sources (all offline): ``vega`` — the monthly closing prices bundled inside the
+``vega_datasets`` wheel (``stocks.csv``: AAPL, AMZN, GOOG, IBM, MSFT, 2000-01 to 2010-03; read
+from the installed file, never downloaded; by default the four symbols that span all 123
+months, as aligned series, see :data:`DEFAULT_SYMBOL`);
+``csv`` — a column of a CSV file the user names; ``synthetic`` — a random walk with drift, a
+constant drift, or regime switches (drift flips sign every ``regime_length`` steps).
+
+:class:`MultiHorizonLoader` turns prices p_0..p_{N-1} into examples. With log prices l_t and
+one-step log returns r_t = l_t - l_{t-1}:
+
+- scale sigma_t: the root mean square of r_1..r_t, an expanding window, so it reads no price
+  after t (a fixed scale fitted on a training part would carry later prices into early
+  features);
+- features at t: the trailing window r_{t-window+1}..r_t divided by sigma_t;
+- outcomes at t for each horizon h: long = max_{1<=k<=h} (l_{t+k} - l_t), the best log return
+  a long position opened at t reaches within h steps; short = max_{1<=k<=h} (l_t - l_{t+k}),
+  the same for a short. Both are divided by sigma_t * sqrt(h) (a random walk's typical h-step
+  move), so every horizon's outcome is O(1);
+- main label at t: 1 when l_{t+main_horizon} > l_t (the main horizon's return is up), else 0.
+
+An example is the sequence of features over ``seq_len`` steps ending at t; its targets are t's.
+Features at t never read a price after t, targets at t never read past t + h
+(tests/test_prices.py perturbs later prices to prove it).
+
+Validation is the later part of the series, by time: with cut the first validation step, a
+training example ends at t <= cut - max(horizons) (its targets read no price after the cut) and
+a validation example ends at t >= cut (its features may read older prices, as a deployed model
+would; its targets read only prices after the cut).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import DataError
+
+SOURCES = ("vega", "csv", "synthetic")
+SYNTHETIC_KINDS = ("random_walk", "constant", "regimes")
+VEGA_SYMBOLS = ("all", "AAPL", "AMZN", "GOOG", "IBM", "MSFT")
+FULL_LENGTH = ("AAPL", "AMZN", "IBM", "MSFT")  # 2000-01 to 2010-03; GOOG starts in 2004-08
+# "all": one monthly series gives only ~44 training examples at the default window / seq_len /
+# horizons; the four symbols spanning the same 123 months give four times as many, and one
+# calendar cut for all four keeps validation later than every training target (GOOG, shorter
+# and on other dates, is left out). A single symbol is one config value away.
+DEFAULT_SYMBOL = "all"
+
+
+def vega_prices(symbol: str = DEFAULT_SYMBOL) -> np.ndarray:
+    """Monthly closing prices from vega_datasets' bundled stocks.csv, by date: (N,) for one
+    symbol, (4, 123) for ``"all"`` (the four symbols that span the same 123 months)."""
+    if symbol not in VEGA_SYMBOLS:
+        raise DataError(f"vega symbol {symbol!r} is not in the bundled stocks.csv; "
+                        f"choose one of: {', '.join(VEGA_SYMBOLS)}")
+    from vega_datasets import local_data  # the local (wheel-bundled) files only
+
+    frame = local_data.stocks()
+    if symbol == "all":
+        series = [frame[frame["symbol"] == s].sort_values("date") for s in FULL_LENGTH]
+        if any(not part["date"].reset_index(drop=True).equals(
+                series[0]["date"].reset_index(drop=True)) for part in series):
+            raise DataError(f"vega stocks {', '.join(FULL_LENGTH)} are not on the same dates; "
+                            "this vega_datasets version differs from 0.9.0's stocks.csv")
+        return np.stack([part["price"].to_numpy(dtype=np.float64) for part in series])
+    frame = frame[frame["symbol"] == symbol].sort_values("date")
+    return frame["price"].to_numpy(dtype=np.float64)
+
+
+def csv_prices(path: str | Path, column: str) -> np.ndarray:
+    """The column ``column`` of the CSV file ``path``, in file order (oldest first)."""
+    import pandas as pd
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"price CSV {str(path)!r} does not exist; give the path of a CSV file "
+                        "with a header row")
+    frame = pd.read_csv(path)
+    if column not in frame.columns:
+        raise DataError(f"price CSV {str(path)!r} has no column {column!r}; its columns are: "
+                        f"{', '.join(map(str, frame.columns))}")
+    values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=np.float64)
+    return values
+
+
+def synthetic_prices(kind: str = "random_walk", *, length: int = 2000, drift: float = 0.001,
+                     volatility: float = 0.01, regime_length: int = 100,
+                     seed: int = 0) -> np.ndarray:
+    """A price series from 100: log returns drift + volatility * N(0, 1) (``random_walk``),
+    exactly ``drift`` (``constant``), or with the drift's sign flipping every
+    ``regime_length`` steps (``regimes``). Local generator: no global RNG is touched."""
+    if kind not in SYNTHETIC_KINDS:
+        raise DataError(f"synthetic kind {kind!r} is not known; choose one of: "
+                        f"{', '.join(SYNTHETIC_KINDS)}")
+    if length < 2:
+        raise DataError(f"synthetic length={length} is too short; allowed: >= 2")
+    rng = np.random.default_rng(seed)
+    n = length - 1
+    if kind == "constant":
+        returns = np.full(n, float(drift))
+    else:
+        sign = np.ones(n)
+        if kind == "regimes":
+            sign = np.where((np.arange(n) // max(regime_length, 1)) % 2 == 0, 1.0, -1.0)
+        returns = drift * sign + volatility * rng.standard_normal(n)
+    return 100.0 * np.exp(np.concatenate([[0.0], np.cumsum(returns)]))
+
+
+def check_prices(prices: np.ndarray, name: str = "price series") -> np.ndarray:
+    """Refuse NaN / infinite / non-positive prices, naming the first bad index and value."""
+    prices = np.asarray(prices, dtype=np.float64)
+    if prices.ndim != 1:
+        raise DataError(f"{name} must be one-dimensional, got shape {prices.shape}")
+    bad = np.flatnonzero(~np.isfinite(prices))
+    if bad.size:
+        raise DataError(f"{name} has {bad.size} NaN or infinite price(s), the first at index "
+                        f"{bad[0]} ({prices[bad[0]]}); prices must be finite and > 0")
+    bad = np.flatnonzero(prices <= 0)
+    if bad.size:
+        raise DataError(f"{name} has {bad.size} non-positive price(s), the first at index "
+                        f"{bad[0]} ({prices[bad[0]]}); log returns need prices > 0")
+    return prices
+
+
+def check_horizons(horizons, main_horizon: int | None = None) -> tuple[int, ...]:
+    horizons = tuple(horizons)
+    if not horizons or any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1
+                           for h in horizons):
+        raise DataError(f"horizons={horizons!r} is not allowed; give a non-empty, strictly "
+                        "increasing tuple of integers >= 1, e.g. (1, 5, 20)")
+    if any(b <= a for a, b in zip(horizons, horizons[1:])):
+        raise DataError(f"horizons={horizons!r} are not strictly increasing; give them in "
+                        "increasing order without repeats, e.g. (1, 5, 20)")
+    if main_horizon is not None and main_horizon not in horizons:
+        raise DataError(f"main_horizon={main_horizon!r} is not one of horizons={horizons!r}")
+    return tuple(int(h) for h in horizons)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """x (B, seq_len, window) features; long/short (B, n_horizons) scaled outcomes at the
+    last step; direction (B,) float 0/1 main label; ends (B,) the last step's time index."""
+
+    x: torch.Tensor
+    long: torch.Tensor
+    short: torch.Tensor
+    direction: torch.Tensor
+    ends: torch.Tensor
+
+
+class MultiHorizonLoader:
+    """Examples over one price series, or several aligned ones (same dates, one per row of a
+    (S, N) array) cut at the same time; see the module docstring for every definition.
+
+    Time indices are flat: series s, time t is ``s * N + t`` (just t for one series).
+    """
+
+    def __init__(self, prices, *, window: int = 12, seq_len: int = 12,
+                 horizons=(1, 5, 20), main_horizon: int = 5, val_fraction: float = 0.2,
+                 name: str = "price series"):
+        self.horizons = check_horizons(horizons, main_horizon)
+        prices = np.asarray(prices, dtype=np.float64)
+        rows = prices[None] if prices.ndim == 1 else prices
+        if window < 1 or seq_len < 1:
+            raise DataError(f"window={window} and seq_len={seq_len} must both be >= 1")
+        if not 0.0 < val_fraction < 1.0:
+            raise DataError(f"val_fraction={val_fraction!r} is out of range; allowed: (0, 1)")
+        self.window, self.seq_len, self.main_horizon = window, seq_len, main_horizon
+        n, h_max = rows.shape[1], self.horizons[-1]
+        # The first example's first step needs `window` returns; its last step t needs h_max
+        # later prices. Training and validation each need at least one example.
+        first = window + seq_len - 1
+        last = n - 1 - h_max
+        needed = first + 2 * h_max + 2
+        if n < needed:
+            raise DataError(
+                f"{name} has {n} prices, too short for window={window}, seq_len={seq_len} and "
+                f"the largest horizon {h_max}: it needs at least {needed} (window + seq_len + "
+                f"2 x largest horizon + 1, so that training and validation each get an "
+                "example); use a longer series or smaller window / seq_len / horizons")
+        cut = first + int(round((1.0 - val_fraction) * (last - first)))
+        cut = min(max(cut, first + h_max + 1), last)
+        blocks = [self._series(check_prices(row, name if len(rows) == 1 else f"{name}[{i}]"),
+                               name) for i, row in enumerate(rows)]
+        offsets = torch.arange(len(rows))[:, None] * n  # (S, 1)
+        self.train_ends = (offsets + torch.arange(first, cut - h_max + 1)).flatten()
+        self.val_ends = (offsets + torch.arange(cut, last + 1)).flatten()
+        self.cut, self.length, self.n_series = cut, n, len(rows)
+        stack = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*blocks)]
+        self.sigma = stack[0]  # (S*N,)
+        self.features = stack[1].float()  # (S*N, window)
+        self.long = stack[2].float()  # (S*N, n_horizons)
+        self.short = stack[3].float()
+        self.direction = stack[4].float()  # (S*N,)
+
+    def _series(self, prices: np.ndarray, name: str):
+        """sigma, features, long, short, direction of one series (rows past the last usable
+        step, and features before `window`, are zeros and never used)."""
+        window, n, h_max = self.window, len(prices), self.horizons[-1]
+        log_p = np.log(prices)
+        returns = np.diff(log_p, prepend=log_p[0])  # (N,), r_0 = 0
+        sigma = np.sqrt(np.cumsum(returns**2) / np.maximum(np.arange(n), 1))  # (N,)
+        if not np.all(sigma[window:] > 0):
+            raise DataError(f"{name} does not move over its first {window + 1} prices "
+                            "(every log return is 0), so it has no return scale; use a "
+                            "series whose prices change")
+        sigma[:window] = np.inf  # no features there; inf keeps a misuse from passing silently
+        # features[t] = r_{t-window+1..t} / sigma_t  (N, window)
+        windows = np.lib.stride_tricks.sliding_window_view(returns[1:], window)  # (N-w, w)
+        features = np.zeros((n, window))
+        features[window:] = windows / sigma[window:, None]
+        long = np.zeros((n, len(self.horizons)))
+        short = np.zeros((n, len(self.horizons)))
+        t = np.arange(n - h_max)
+        for i, h in enumerate(self.horizons):
+            ahead = np.stack([log_p[t + k] for k in range(1, h + 1)]) - log_p[t]  # (h, T)
+            scale = sigma[t] * math.sqrt(h)
+            long[t, i] = ahead.max(0) / scale
+            short[t, i] = (-ahead).max(0) / scale
+        direction = np.zeros(n)
+        direction[t] = (log_p[t + self.main_horizon] > log_p[t]).astype(np.float64)
+        return sigma, features, long, short, direction
+
+    def batch(self, ends: torch.Tensor) -> Batch:
+        """The examples ending at time indices ``ends`` (B,)."""
+        steps = ends[:, None] + torch.arange(1 - self.seq_len, 1)  # (B, seq_len)
+        return Batch(x=self.features[steps], long=self.long[ends], short=self.short[ends],
+                     direction=self.direction[ends], ends=ends)
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
+        """A training batch of ``batch_size`` examples drawn with replacement."""
+        pick = torch.randint(len(self.train_ends), (batch_size,), generator=generator)
+        return self.batch(self.train_ends[pick])
+
+    def validation(self) -> Batch:
+        return self.batch(self.val_ends)

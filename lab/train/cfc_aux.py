@@ -1,0 +1,428 @@
+"""CfC perception trainer with an auxiliary supervision path and a conditional lift (seed 000).
+
+DESIGN section 7. Per step, a batch of feature sequences from a price series
+(``lab.data.prices.MultiHorizonLoader``) goes through
+
+    encoder (per-step MLP) -> enriched sequence e (B, T, E)
+      -> main CfC trunk -> linear head -> BCE on the main-horizon direction
+      -> aux CfC trunk (one bucket, ``aux_units``) -> linear heads, one per
+         (long | short) x horizon -> Huber loss against the scaled outcomes
+
+CfC: Hasani et al. 2022, "Closed-form continuous-time neural networks" (``lab.models.cfc``).
+
+*Asymmetric stop-gradient.* The aux trunk and heads always train on the Huber loss (their own
+Adam optimizer: no optimizer state is shared with the main path). Their gradient at the encoder
+output is blocked until the *lift*; after it, that gradient is added to the main path's
+gradient at the encoder output, in place, by ``numba_kernels.aux_add`` inside one autograd
+Function (:class:`AuxJoin`), so the encoder then learns from both losses.
+
+*The lift.* After every step the aux health signals are updated: per horizon, an EMA (decay
+``ema_decay``; the first steps are plain averages, see :class:`AuxHealth`) of the
+aux Huber loss and of the aux direction accuracy (the share of examples where the heads rank
+long vs short as the outcomes do: predicted long > predicted short iff outcome long > outcome
+short). *Within the window* means: the lift fires at the first step s < ``lift_window``
+(counting from 0) after which, on every horizon, Huber EMA < ``lift_huber`` and direction
+accuracy EMA > ``lift_acc``; it is irreversible and takes effect from step s + 1. If it has not
+fired by step ``lift_window``, the aux path stays blocked for the rest of the run (the aux
+trunk did not become healthy in time). ``lift_window = 0`` removes the deadline.
+``aux = "never"`` trains the aux path with the lift disabled; ``aux = "none"`` has no aux path.
+
+Each step logs one row (axis ``step``): ``train_loss`` (main BCE, the divergence key),
+``train_acc``, ``aux_huber_ema/h{h}``, ``aux_acc_ema/h{h}``, ``lifted`` (0/1), ``lift_step``
+(None before the lift) and, every ``eval_every`` steps, ``val_loss`` / ``val_acc`` on the
+later, held-out part of the series.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import numba_kernels
+
+from ..config import ConfigError, bounded, choice, validate
+from ..data import DataError
+from ..data.prices import (
+    DEFAULT_SYMBOL,
+    SOURCES,
+    SYNTHETIC_KINDS,
+    VEGA_SYMBOLS,
+    MultiHorizonLoader,
+    check_horizons,
+    csv_prices,
+    synthetic_prices,
+    vega_prices,
+)
+from ..device import resolve_device, seeded, set_threads, sync
+from ..lifecycle import Divergence, Expectation, Lifecycle
+from ..models.cfc import ACTIVATIONS, MODES, CfC
+
+AUX_MODES = ("lift", "never", "none")
+
+
+def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst += src in place by the fused kernel (``numba_kernels.aux_add``, CPU or CUDA)."""
+    return numba_kernels.aux_add(dst, src)
+
+
+@dataclass(frozen=True)
+class CfCAuxConfig:
+    """Everything one CfC-aux run depends on; ``asdict`` is stored in the record."""
+
+    # data: the price series
+    source: str = choice("vega", SOURCES)
+    symbol: str = choice(DEFAULT_SYMBOL, VEGA_SYMBOLS)  # source "vega"
+    csv_path: str = ""  # source "csv": the file ...
+    column: str = ""  # ... and the column holding prices, oldest row first
+    synthetic: str = choice("random_walk", SYNTHETIC_KINDS)  # source "synthetic"
+    synthetic_length: int = bounded(2000, 2)
+    drift: float = bounded(0.001, -1.0, 1.0)  # per-step log-return drift
+    volatility: float = bounded(0.01, 0.0)  # per-step log-return noise (random_walk, regimes)
+    regime_length: int = bounded(100, 1)  # steps between drift sign flips (regimes)
+    # data: examples
+    window: int = bounded(12, 1)  # trailing log returns per step's features
+    seq_len: int = bounded(12, 1)  # steps per example sequence
+    horizons: tuple = (1, 5, 20)  # aux outcome horizons, strictly increasing
+    main_horizon: int = bounded(5, 1)  # the direction label's horizon (one of horizons)
+    val_fraction: float = bounded(0.2, 0.0, 1.0, lo_open=True, hi_open=True)
+    # model
+    enc_dim: int = bounded(32, 1)  # encoder output per step (the enriched sequence)
+    units: int = bounded(64, 1)  # main trunk
+    main_buckets: int = bounded(1, 1)  # main trunk time-scale buckets (taus up to main_tau_max)
+    main_tau_max: float = bounded(1.0, 1.0)
+    aux_units: int = bounded(64, 1)  # aux trunk (one bucket, tau = 1)
+    backbone_units: int = bounded(64, 1)
+    mode: str = choice("default", MODES)
+    activation: str = choice("lecun_tanh", ACTIVATIONS)
+    # aux path and its lift
+    aux: str = choice("lift", AUX_MODES)
+    lift_huber: float = bounded(0.4, 0.0, lo_open=True)  # every horizon's Huber EMA below
+    lift_acc: float = bounded(0.85, 0.0, 1.0)  # every horizon's direction-acc EMA above
+    lift_window: int = bounded(200, 0)  # the lift may fire at steps < this; 0 = any step
+    ema_decay: float = bounded(0.95, 0.0, 1.0, hi_open=True)
+    huber_delta: float = bounded(1.0, 0.0, lo_open=True)
+    # optimisation
+    steps: int = bounded(300, 1)
+    batch_size: int = bounded(32, 1)
+    lr: float = bounded(1e-3, 0.0, lo_open=True)  # main Adam: encoder, main trunk, main head
+    aux_lr: float = bounded(1e-3, 0.0, lo_open=True)  # aux Adam: aux trunk and heads
+    eval_every: int = bounded(25, 0)  # steps between validations; 0 = only the final one
+    diverge_factor: float = bounded(1e3, 1.0, lo_open=True)
+    # run
+    seed: int = bounded(0, 0)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    threads: int = bounded(0, 0)  # 0 = torch's default
+    checkpoint_every: int = bounded(50, 0)  # steps; 0 = only at the end
+    progress: bool = True
+
+    def __post_init__(self):
+        # YAML protocols and JSON records carry tuples as lists.
+        if isinstance(self.horizons, list):
+            object.__setattr__(self, "horizons", tuple(self.horizons))
+        validate(self)
+        try:
+            check_horizons(self.horizons, self.main_horizon)
+        except DataError as err:
+            raise ConfigError(f"CfCAuxConfig.{err}") from None
+        if self.source == "csv" and not (self.csv_path and self.column):
+            raise ConfigError("CfCAuxConfig.source='csv' needs csv_path (the file) and column "
+                              f"(the price column); got csv_path={self.csv_path!r}, "
+                              f"column={self.column!r}")
+        if self.units % self.main_buckets:
+            raise ConfigError(f"CfCAuxConfig.main_buckets={self.main_buckets} must divide "
+                              f"units={self.units}")
+
+
+def load_prices(config: CfCAuxConfig):
+    """(prices, name) of the configured source."""
+    if config.source == "vega":
+        return vega_prices(config.symbol), f"vega_datasets stocks {config.symbol}"
+    if config.source == "csv":
+        return csv_prices(config.csv_path, config.column), f"{config.csv_path}:{config.column}"
+    prices = synthetic_prices(config.synthetic, length=config.synthetic_length,
+                              drift=config.drift, volatility=config.volatility,
+                              regime_length=config.regime_length, seed=config.seed)
+    return prices, f"synthetic {config.synthetic}"
+
+
+def main_buckets(config: CfCAuxConfig):
+    """Equal buckets whose tau ranges tile [1, main_tau_max] geometrically."""
+    n, size = config.main_buckets, config.units // config.main_buckets
+    edges = [config.main_tau_max ** (k / n) for k in range(n + 1)]
+    return tuple((size, edges[k], edges[k + 1]) for k in range(n))
+
+
+class AuxJoin(torch.autograd.Function):
+    """Hand the encoder output to both trunks; join their gradients per the lift.
+
+    Forward: (e, e). Backward: the main gradient, plus the aux gradient (``aux_add``, in place
+    on a fresh buffer, no atomics) when ``lifted``; before the lift the aux gradient is dropped
+    here, so the encoder sees the main path's gradient exactly.
+    """
+
+    @staticmethod
+    def forward(ctx, enc, lifted: bool):
+        ctx.lifted = lifted
+        return enc.view_as(enc), enc.view_as(enc)
+
+    @staticmethod
+    def backward(ctx, grad_main, grad_aux):
+        grad = grad_main.contiguous().clone()  # (B, T, E): never write into autograd's buffer
+        if ctx.lifted:
+            aux_add(grad, grad_aux.contiguous())
+        return grad, None
+
+
+class Encoder(nn.Module):
+    """Per-step MLP: features (B, T, window) -> enriched sequence (B, T, enc_dim)."""
+
+    def __init__(self, window: int, enc_dim: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(window, enc_dim), nn.Tanh(),
+                                 nn.Linear(enc_dim, enc_dim), nn.Tanh())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class MainPath(nn.Module):
+    """Main CfC trunk and the direction head: (B, T, E) -> logits (B,)."""
+
+    def __init__(self, config: CfCAuxConfig):
+        super().__init__()
+        self.trunk = CfC(config.enc_dim, config.units, mode=config.mode,
+                         backbone_units=config.backbone_units, activation=config.activation,
+                         buckets=main_buckets(config))
+        self.head = nn.Linear(config.units, 1)
+
+    def forward(self, e):
+        _, h_n = self.trunk(e)  # (B, units)
+        return self.head(h_n)[:, 0]
+
+
+class AuxPath(nn.Module):
+    """Aux CfC trunk (one bucket) and linear heads: (B, T, E) -> long, short (B, n_h) each."""
+
+    def __init__(self, config: CfCAuxConfig):
+        super().__init__()
+        self.trunk = CfC(config.enc_dim, config.aux_units, mode=config.mode,
+                         backbone_units=config.backbone_units, activation=config.activation,
+                         buckets=((config.aux_units, 1.0, 1.0),))
+        self.heads = nn.Linear(config.aux_units, 2 * len(config.horizons))
+
+    def forward(self, e):
+        _, h_n = self.trunk(e)
+        return self.heads(h_n).chunk(2, dim=-1)
+
+
+class AuxHealth:
+    """Per-horizon EMAs of the aux Huber loss and direction accuracy, and the lift state.
+
+    Update n (from 1) moves each EMA toward the new value by max(1 - decay, 1 / n): the first
+    value is taken as is and the early EMAs are plain averages of what was seen (no bias
+    toward an arbitrary start), after which it is the usual exponential average. A constant
+    input leaves the EMA exactly at that constant.
+    """
+
+    def __init__(self, n_horizons: int, decay: float):
+        self.decay, self.n = decay, n_horizons
+        self.huber = [0.0] * n_horizons
+        self.acc = [0.0] * n_horizons
+        self.updates, self.lifted, self.lift_step = 0, False, None
+
+    def update(self, huber: list[float], acc: list[float]) -> None:
+        self.updates += 1
+        rate = max(1.0 - self.decay, 1.0 / self.updates)
+        self.huber = [m + rate * (v - m) for m, v in zip(self.huber, huber)]
+        self.acc = [m + rate * (v - m) for m, v in zip(self.acc, acc)]
+
+    def state_dict(self) -> dict:
+        return {"huber": list(self.huber), "acc": list(self.acc), "updates": self.updates,
+                "lifted": self.lifted, "lift_step": self.lift_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.huber, self.acc = list(state["huber"]), list(state["acc"])
+        self.updates, self.lifted = int(state["updates"]), bool(state["lifted"])
+        self.lift_step = state["lift_step"]
+
+
+@dataclass
+class Run:
+    """The live objects of a CfC-aux run."""
+
+    config: CfCAuxConfig
+    device: torch.device
+    data: MultiHorizonLoader
+    encoder: Encoder
+    main: MainPath
+    aux: AuxPath | None
+    opt_main: torch.optim.Optimizer
+    opt_aux: torch.optim.Optimizer | None
+    health: AuxHealth
+    generator: torch.Generator  # batch order
+
+    def parts(self) -> dict:
+        """What a checkpoint restores."""
+        parts = {"encoder": self.encoder, "main": self.main, "opt_main": self.opt_main,
+                 "health": self.health, "generator": self.generator}
+        if self.aux is not None:
+            parts.update(aux=self.aux, opt_aux=self.opt_aux)
+        return parts
+
+
+def build_run(config: CfCAuxConfig) -> Run:
+    """Data, encoder, trunks, heads and both optimizers, all fixed by ``config.seed``."""
+    device = resolve_device(config.device)
+    set_threads(config.threads)
+    prices, name = load_prices(config)
+    data = MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
+                              horizons=config.horizons, main_horizon=config.main_horizon,
+                              val_fraction=config.val_fraction, name=name)
+    for field in ("features", "long", "short", "direction"):
+        setattr(data, field, getattr(data, field).to(device))
+    with seeded(config.seed):
+        encoder = Encoder(config.window, config.enc_dim).to(device)
+        main = MainPath(config).to(device)
+        aux = AuxPath(config).to(device) if config.aux != "none" else None
+    opt_main = torch.optim.Adam([*encoder.parameters(), *main.parameters()], lr=config.lr)
+    # Its own Adam: Adam normalises each parameter's step by its own gradient history, and
+    # sharing one optimizer would tie nothing here but would mix the two paths' states.
+    opt_aux = torch.optim.Adam(aux.parameters(), lr=config.aux_lr) if aux is not None else None
+    return Run(config, device, data, encoder, main, aux, opt_main, opt_aux,
+               AuxHealth(len(config.horizons), config.ema_decay),
+               torch.Generator().manual_seed(config.seed))
+
+
+def forward_losses(run: Run, batch, lifted: bool) -> dict:
+    """Main BCE and aux Huber (per horizon) on one batch, gradients joined per ``lifted``."""
+    cfg = run.config
+    x = batch.x.to(run.device)
+    enc = run.encoder(x)  # (B, T, E)
+    out = {}
+    if run.aux is None:
+        main_in = enc
+    else:
+        main_in, aux_in = AuxJoin.apply(enc, lifted)
+        long, short = run.aux(aux_in)  # (B, n_h) each
+        huber_long = F.huber_loss(long, batch.long, reduction="none", delta=cfg.huber_delta)
+        huber_short = F.huber_loss(short, batch.short, reduction="none", delta=cfg.huber_delta)
+        per_h = 0.5 * (huber_long + huber_short).mean(0)  # (n_h,)
+        out["aux_loss"] = per_h.sum()
+        out["aux_huber"] = per_h.detach()
+        with torch.no_grad():
+            out["aux_acc"] = ((long > short) == (batch.long > batch.short)).float().mean(0)
+    logits = run.main(main_in)  # (B,)
+    out["logits"] = logits
+    out["loss"] = F.binary_cross_entropy_with_logits(logits, batch.direction)
+    return out
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step of both paths; returns the step's row."""
+    cfg, health = run.config, run.health
+    batch = run.data.sample(cfg.batch_size, run.generator)
+    run.opt_main.zero_grad(set_to_none=True)
+    if run.opt_aux is not None:
+        run.opt_aux.zero_grad(set_to_none=True)
+    out = forward_losses(run, batch, health.lifted)
+    total = out["loss"] + out["aux_loss"] if run.aux is not None else out["loss"]
+    total.backward()
+    run.opt_main.step()
+    row = {"train_loss": out["loss"].item(),
+           "train_acc": float(((out["logits"] > 0).float() == batch.direction).float().mean())}
+    if run.aux is None:
+        return row
+    run.opt_aux.step()
+    health.update(out["aux_huber"].tolist(), out["aux_acc"].tolist())
+    huber, acc = health.huber, health.acc
+    if (cfg.aux == "lift" and not health.lifted
+            and (cfg.lift_window == 0 or step < cfg.lift_window)
+            and all(v < cfg.lift_huber for v in huber) and all(v > cfg.lift_acc for v in acc)):
+        health.lifted, health.lift_step = True, step
+    names = [f"h{h}" for h in cfg.horizons]
+    row.update(aux_huber_ema=dict(zip(names, huber)), aux_acc_ema=dict(zip(names, acc)),
+               lifted=int(health.lifted), lift_step=health.lift_step)
+    return row
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Main BCE and accuracy on every validation example (the later part of the series)."""
+    batch = run.data.validation()
+    logits = run.main(run.encoder(batch.x.to(run.device)))
+    loss = F.binary_cross_entropy_with_logits(logits, batch.direction)
+    acc = ((logits > 0).float() == batch.direction).float().mean()
+    return {"val_loss": float(loss), "val_acc": float(acc)}
+
+
+@torch.no_grad()
+def initial_loss(run: Run) -> float:
+    """The main BCE on a validation-free draw before any update (the divergence scale)."""
+    state = run.generator.get_state()
+    batch = run.data.sample(run.config.batch_size, run.generator)
+    run.generator.set_state(state)  # the first training batch stays the same
+    logits = run.main(run.encoder(batch.x.to(run.device)))
+    return float(F.binary_cross_entropy_with_logits(logits, batch.direction))
+
+
+def expectation(config: CfCAuxConfig) -> Expectation:
+    """A complete run: one row per step; aux signals every step; validation on its cadence."""
+    metrics = ("train_loss", "train_acc")
+    if config.aux != "none":
+        metrics += ("aux_huber_ema/", "aux_acc_ema/", "lifted")
+    periodic = ()
+    if config.eval_every:
+        periodic = tuple((name, config.eval_every, config.eval_every - 1)
+                         for name in ("val_loss", "val_acc"))
+    return Expectation(axis="step", count=config.steps, metrics=metrics, periodic=periodic,
+                       final=("val_loss", "val_acc"))
+
+
+def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
+                  run_id: str | None = None) -> dict:
+    """Train per ``config``; returns the run record with its rows under ``steps``.
+
+    With ``out_dir`` the run is recorded there and an interrupted run of the same config
+    resumes from its last checkpoint.
+    """
+    run = build_run(config)
+    life = Lifecycle(kind="cfc_aux", config=config, expect=expectation(config),
+                     parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),
+                     checkpoint_every=config.checkpoint_every,
+                     divergence=Divergence(eval_keys=("val_loss",),
+                                           factor=config.diverge_factor),
+                     progress=config.progress, desc=f"cfc-aux {config.aux} seed {config.seed}")
+    with life:
+        done = life.start()
+        if life.finished:
+            return life.result()
+        if done == 0:
+            life.baseline(initial_loss(run))
+        start = time.perf_counter()
+        bar = life.rows()
+        for step in bar:
+            row = train_step(run, step)
+            row["val_loss"] = row["val_acc"] = None
+            if config.eval_every and (step + 1) % config.eval_every == 0 \
+                    and math.isfinite(row["train_loss"]):
+                row.update(evaluate(run))
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", lifted=row.get("lifted", 0))
+            if not life.log(row):
+                break
+        sync(run.device)
+        final = {}
+        if life.status == "running":
+            final = {**evaluate(run),
+                     "val_up_fraction": float(run.data.validation().direction.mean()),
+                     "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
+        work = {"optimizer_steps": len(life.rows_logged),
+                "train_examples": len(life.rows_logged) * config.batch_size,
+                "train_wall_s": time.perf_counter() - start}  # this session's share
+        return life.finish(final, work)
+

@@ -1,0 +1,327 @@
+"""CPU forms of the kernels: ``numba.njit(parallel=True)`` on numpy views of torch tensors.
+
+The maths is DESIGN section 5 (mixed apical traffic, seed 003), written once more
+for the CPU; ``reference.py`` states it in plain torch and the tests hold the two
+together. All arrays arrive contiguous and flattened by the dispatcher:
+populations as ``(B, N)`` (batch, units), per-unit parameters as ``(N,)``.
+
+Determinism without atomics: every sum of squares is formed per example row, in
+chunks of ``CHUNK`` units whose partial sums are added to the row's float64 total
+in chunk order; the population total adds the rows in row order. Tasks are fixed
+pairs of rows; which thread runs a task never changes the arithmetic, so results
+are equal bit for bit run to run and for any ``NUMBA_NUM_THREADS``.
+
+Speed: inside a chunk the squares are summed in the input dtype (float32 lanes
+vectorise twice as wide as float64) with ``fastmath={"reassoc"}`` so the
+reduction vectorises; the reassociation order is fixed at compile time. The
+signals themselves (traffic, raw, innovation) are computed in ``_signals`` without
+fastmath. Innovation is formed as ``I + ((g*C - P)*h - b)``, equal to
+``R - (P*h + b)`` in real arithmetic, so an exact predictor (``P == g*C``,
+``b == 0``) gives innovation == instruction bit for bit, whatever the compiler
+fuses into FMAs (on the GPU too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+# Units per chunk of a row. Chunk partials in the input dtype then float64: a
+# float32 partial sums at most CHUNK squares spread over the vector lanes
+# (relative error around 1e-7), the row total is float64.
+CHUNK = 4096
+RAW, INNOVATION, MATCHED = 0, 1, 2
+RULE_CODES = {"raw": RAW, "innovation": INNOVATION, "matched": MATCHED}
+# Columns of the per-row sums of squares: instruction, traffic, raw, innovation.
+SS_I, SS_T, SS_R, SS_N = 0, 1, 2, 3
+# Below this many elements a parallel launch costs more than it saves.
+SERIAL_BELOW = 1 << 15
+
+
+@njit(cache=True)
+def _signals(i, hv, gc, p, bb):
+    # (traffic, raw, innovation) for one element, in the documented order.
+    t = gc * hv
+    r = i + t
+    n = i + ((gc - p) * hv - bb)  # = R - (P h + b); exact zero correction when P == gC, b == 0
+    return t, r, n
+
+
+def _make_chunk(rule):
+    # One chunk of a pair of rows (1-D slices): writes the rows' ``out`` (raw R or
+    # innovation N; nothing in matched's first pass) and returns each row's sums of
+    # squares in the input dtype. Two rows share each load of gC, P, b, which halves
+    # the per-unit traffic (it is as large as the rows' own once N outgrows L1). One
+    # compiled loop per rule with no branch inside, 1-D slices and a plain range loop:
+    # that is what lets LLVM vectorise the eight reductions.
+    @njit(cache=True, fastmath={"reassoc"})
+    def chunk(I0, h0, o0, I1, h1, o1, gC, P, b, zero):
+        a_i = a_t = a_r = a_n = zero  # row 0
+        c_i = c_t = c_r = c_n = zero  # row 1
+        for j in range(I0.size):
+            g, p, bb = gC[j], P[j], b[j]
+            t, r, n = _signals(I0[j], h0[j], g, p, bb)
+            if rule == RAW:
+                o0[j] = r
+            elif rule == INNOVATION:
+                o0[j] = n
+            a_i += I0[j] * I0[j]
+            a_t += t * t
+            a_r += r * r
+            a_n += n * n
+            t, r, n = _signals(I1[j], h1[j], g, p, bb)
+            if rule == RAW:
+                o1[j] = r
+            elif rule == INNOVATION:
+                o1[j] = n
+            c_i += I1[j] * I1[j]
+            c_t += t * t
+            c_r += r * r
+            c_n += n * n
+        return (a_i, a_t, a_r, a_n), (c_i, c_t, c_r, c_n)
+
+    return chunk
+
+
+_chunk_raw, _chunk_innovation, _chunk_matched = (_make_chunk(r) for r in (RAW, INNOVATION, MATCHED))
+
+
+@njit(cache=True)
+def _pair_pass(I, h, gC, P, b, e0, e1, rule, out, rows, zero):
+    """Sums of squares of rows e0, e1 into ``rows``; writes their ``out`` unless matched.
+
+    Each row has its own accumulators, so a row's sums do not depend on its partner's
+    values; the last row of an odd batch is paired with itself (written twice, with
+    equal values). Pairs are fixed by row index, never by thread.
+    """
+    N = I.shape[1]
+    s0 = np.zeros(4)
+    s1 = np.zeros(4)
+    for c in range((N + CHUNK - 1) // CHUNK):
+        j0 = c * CHUNK
+        j1 = min(j0 + CHUNK, N)
+        args = (I[e0, j0:j1], h[e0, j0:j1], out[e0, j0:j1], I[e1, j0:j1], h[e1, j0:j1],
+                out[e1, j0:j1], gC[j0:j1], P[j0:j1], b[j0:j1], zero)
+        if rule == RAW:
+            x0, x1 = _chunk_raw(*args)
+        elif rule == INNOVATION:
+            x0, x1 = _chunk_innovation(*args)
+        else:
+            x0, x1 = _chunk_matched(*args)
+        for q in range(4):  # chunk partials into the row's float64 sums, in chunk order
+            s0[q] += np.float64(x0[q])
+            s1[q] += np.float64(x1[q])
+    rows[e0] = s0
+    rows[e1] = s1
+
+
+@njit(cache=True)
+def _matched_scale(rows, e):
+    # ||N_e|| / ||R_e||; an all-zero raw row has no direction, so it is sent as zero.
+    if rows[e, SS_R] > 0.0:
+        return math.sqrt(rows[e, SS_N] / rows[e, SS_R])
+    return 0.0
+
+
+@njit(cache=True)
+def _row_scale(I, h, gC, s, out):
+    # Second pass of matched on one row (1-D): recompute raw (still in L1/L2) and rescale.
+    for j in range(I.size):
+        out[j] = (I[j] + gC[j] * h[j]) * s
+
+
+@njit(cache=True)
+def _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero):
+    # One task: rows 2*pair and 2*pair + 1 (the last row twice if the batch is odd).
+    e0 = 2 * pair
+    e1 = min(e0 + 1, I.shape[0] - 1)
+    _pair_pass(I, h, gC, P, b, e0, e1, rule, out, rows, zero)
+    if rule == MATCHED:
+        for e in range(e0, e1 + 1):
+            scales[e] = _matched_scale(rows, e)  # rounded to the input dtype here
+            _row_scale(I[e], h[e], gC, scales[e], out[e])
+
+
+@njit(cache=True)
+def _totals(rows, rule):
+    # Rows added in row order: [instruction, traffic, raw, innovation, used].
+    tot = np.zeros(5)
+    for e in range(rows.shape[0]):
+        for q in range(4):
+            tot[q] += rows[e, q]
+        if rule == RAW:
+            tot[4] += rows[e, SS_R]
+        elif rule == INNOVATION:
+            tot[4] += rows[e, SS_N]
+        elif rows[e, SS_R] > 0.0:
+            # ||M_e|| = ||N_e|| exactly in real arithmetic; zero where raw is zero.
+            tot[4] += rows[e, SS_N]
+    return tot
+
+
+@njit(cache=True, parallel=True)
+def _mixed_parallel(I, h, gC, P, b, rule, out, rows, scales, zero):
+    for pair in prange((I.shape[0] + 1) // 2):
+        _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero)
+    return _totals(rows, rule)
+
+
+@njit(cache=True)
+def _mixed_serial(I, h, gC, P, b, rule, out, rows, scales, zero):
+    for pair in range((I.shape[0] + 1) // 2):
+        _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero)
+    return _totals(rows, rule)
+
+
+def mixed_apical(I, h, gC, P, b, rule: int, out):
+    """Fused mixed-apical pass on numpy arrays; returns float64 totals (5,).
+
+    Launch: ``prange`` over ceil(B / 2) tasks, each a pair of example rows (so
+    B >= 2 * threads keeps every core busy; B <= 2 runs on one core); serial below
+    ``SERIAL_BELOW`` elements. Memory contract: reads I, h (B, N) and gC = g*C, P,
+    b (N,) (cache-resident, read once per pair of rows); writes ``out`` (B, N) (not
+    in place); no other writes but the (B, 4) row sums. Bytes per element:
+    3 * itemsize (read I, h; write used) plus 3 * itemsize per unit. Matched makes
+    two passes inside one task: the first forms the pair's sums of squares (hence
+    ||N_e||, ||R_e||), the second recomputes raw from I and h while the rows are
+    still in cache (L2) and writes R * ||N_e|| / ||R_e||; from main memory it still
+    moves 3 * itemsize per element (plus 2 * itemsize re-read from cache).
+    Totals: [ss instruction, ss traffic, ss raw, ss innovation, ss used] (float64).
+    """
+    rows = np.empty((I.shape[0], 4))
+    # Matched's per-example factor ||N_e|| / ||R_e||, in the input dtype (zeros otherwise).
+    scales = np.zeros(I.shape[0], dtype=I.dtype)
+    kernel = _mixed_serial if I.size < SERIAL_BELOW else _mixed_parallel
+    # ``zero`` types the chunk accumulators: the input dtype (numba has no dtype.type).
+    return kernel(I, h, gC, P, b, rule, out, rows, scales, I.dtype.type(0))
+
+
+# ---- predictor update: per-unit reductions over the batch -------------------------------
+
+# Units per task of the predictor update; each task walks its units down the batch.
+UNIT_CHUNK = 512
+
+
+@njit(cache=True)
+def _predictor_rows_1(he, te, p, q, sh, sr):
+    # Pass 1 over one example's slice: per-unit sums of h and of r = T - (P h + b).
+    for k in range(he.size):
+        hv = np.float64(he[k])
+        sh[k] += hv
+        sr[k] += np.float64(te[k]) - (p[k] * hv + q[k])
+
+
+@njit(cache=True)
+def _predictor_rows_2(he, te, p, q, mh, mr, cov, var, ssr, sst):
+    # Pass 2 over one example's slice: centred products and squares, per unit.
+    for k in range(he.size):
+        hv = np.float64(he[k])
+        tv = np.float64(te[k])
+        r = tv - (p[k] * hv + q[k])
+        hc = hv - mh[k]
+        cov[k] += (r - mr[k]) * hc
+        var[k] += hc * hc
+        ssr[k] += r * r
+        sst[k] += tv * tv
+
+
+@njit(cache=True)
+def _predictor_chunk(h, T, P, b, eta, j0, j1, part, c):
+    # Units j0:j1, every example. Per-unit accumulators (float64, one per unit, each
+    # summed down the batch in example order) make every inner loop element-wise
+    # over contiguous units: vectorised without reassociating any sum.
+    B = h.shape[0]
+    W = j1 - j0
+    p = P[j0:j1].astype(np.float64)
+    q = b[j0:j1].astype(np.float64)
+    sh = np.zeros(W)
+    sr = np.zeros(W)
+    for e in range(B):
+        _predictor_rows_1(h[e, j0:j1], T[e, j0:j1], p, q, sh, sr)
+    mh = sh / B
+    mr = sr / B
+    cov = np.zeros(W)
+    var = np.zeros(W)
+    ssr = np.zeros(W)
+    sst = np.zeros(W)
+    # Two passes (means, then centred sums): no cancellation when a mean >> its spread.
+    for e in range(B):
+        _predictor_rows_2(h[e, j0:j1], T[e, j0:j1], p, q, mh, mr, cov, var, ssr, sst)
+    # Both updates use the same residual (the one before this update).
+    for k in range(W):
+        P[j0 + k] = p[k] + eta * (cov[k] / B) / (var[k] / B + 1e-12)
+        b[j0 + k] = q[k] + eta * mr[k]
+    s_r = 0.0
+    s_t = 0.0
+    for k in range(W):  # unit order: fixed
+        s_r += ssr[k]
+        s_t += sst[k]
+    part[c, 0] = s_r
+    part[c, 1] = s_t
+
+
+@njit(cache=True, parallel=True)
+def _predictor_parallel(h, T, P, b, eta, part):
+    N = h.shape[1]
+    for c in prange(part.shape[0]):
+        _predictor_chunk(h, T, P, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK), part, c)
+
+
+@njit(cache=True)
+def _predictor_serial(h, T, P, b, eta, part):
+    N = h.shape[1]
+    for c in range(part.shape[0]):
+        _predictor_chunk(h, T, P, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK), part, c)
+
+
+@njit(cache=True)
+def _sum_rows(part):
+    tot = np.zeros(part.shape[1])
+    for c in range(part.shape[0]):
+        for q in range(part.shape[1]):
+            tot[q] += part[c, q]
+    return tot
+
+
+def predictor_update(h, T, P, b, eta: float):
+    """Normalised-LMS step of the per-unit predictor, in place on P and b (numpy arrays).
+
+    Launch: ``prange`` over chunks of ``UNIT_CHUNK`` units; each task walks its
+    units down the batch twice (means, then centred covariance/variance), all in
+    float64. Memory contract: reads h, T (B, N) twice (the chunk's second read
+    hits cache), reads and writes P, b (N,) in place; bytes per element
+    2 * itemsize (+ 4 * itemsize per unit). Returns float64 [ss residual, ss
+    traffic] over the population, residual taken before the update.
+    """
+    n_chunks = max(1, -(-h.shape[1] // UNIT_CHUNK))
+    part = np.empty((n_chunks, 2))
+    kernel = _predictor_serial if h.size < SERIAL_BELOW else _predictor_parallel
+    kernel(h, T, P, b, float(eta), part)
+    return _sum_rows(part)
+
+
+# ---- aux add --------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _add_parallel(dst, src):
+    for i in prange(dst.size):
+        dst[i] += src[i]
+
+
+@njit(cache=True)
+def _add_serial(dst, src):
+    for i in range(dst.size):
+        dst[i] += src[i]
+
+
+def aux_add(dst, src):
+    """``dst += src`` in place on flat numpy arrays of one dtype.
+
+    Launch: ``prange`` over the elements (numba splits them into one contiguous
+    range per thread); serial below ``SERIAL_BELOW`` elements. Memory contract:
+    reads src, reads and writes dst in place; 3 * itemsize bytes per element.
+    """
+    (_add_serial if dst.size < SERIAL_BELOW else _add_parallel)(dst, src)

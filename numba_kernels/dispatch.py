@@ -1,0 +1,261 @@
+"""One entry point per kernel: checks the tensors, then runs the CUDA, CPU or torch form.
+
+``backend="auto"`` (the default) picks by device: CUDA tensors go to the
+numba-cuda kernels (``gpu.py``, zero-copy through ``__cuda_array_interface__``,
+launched on torch's current stream), CPU tensors to the ``numba.njit(parallel=True)``
+kernels (``cpu.py``, zero-copy numpy views), anything else to the torch reference.
+``backend="torch"`` always runs the reference (``reference.py``); ``backend="numba"``
+insists on a numba kernel. Float32 and float64 only. Tensors that require grad
+are read through ``.detach()`` (the callers are no-grad rule code). Inputs that
+are not contiguous are copied to contiguous memory; an in-place output (the
+predictor's P and b, ``aux_add``'s dst, ``mixed_apical``'s ``out``) must already be
+contiguous, and is refused otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+
+from . import cpu, reference
+from .results import MixedApical, PredictorStats
+
+RULES = ("raw", "matched", "innovation")
+BACKENDS = ("auto", "numba", "torch")
+DTYPES = (torch.float32, torch.float64)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return (f"shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}, "
+            f"device {t.device}")
+
+
+def _tensor(name: str, t, like: torch.Tensor | None = None,
+            like_name: str = "the population's") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; numba_kernels takes torch.float32 or "
+                        f"torch.float64 (cast with .float() or .double())")
+    if like is not None and (t.dtype != like.dtype or t.device != like.device):
+        raise ValueError(f"{name} ({_describe(t)}) must match {like_name} dtype "
+                         f"{like.dtype} and device {like.device}")
+    return t.detach() if t.requires_grad else t  # (detach costs a little: aux_add is hot)
+
+
+def _population(name: str, t, like: torch.Tensor | None = None) -> torch.Tensor:
+    t = _tensor(name, t, like)
+    if t.dim() < 2 or t.numel() == 0:
+        raise ValueError(f"{name} ({_describe(t)}) must be a non-empty population "
+                         f"(batch, *unit_shape) with at least one unit")
+    if like is not None and t.shape != like.shape:
+        raise ValueError(f"{name} ({_describe(t)}) must have the population's shape "
+                         f"{tuple(like.shape)}")
+    return t
+
+
+def _per_unit(name: str, t, like: torch.Tensor) -> torch.Tensor:
+    t = _tensor(name, t, like)
+    if t.shape != like.shape[1:]:
+        raise ValueError(f"{name} ({_describe(t)}) must be per unit, shape "
+                         f"{tuple(like.shape[1:])} (the population's shape without the batch)")
+    return t
+
+
+def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} ({_describe(t)}) is written in place and must be "
+                         f"contiguous; pass a contiguous tensor (e.g. keep the "
+                         f"parameter you created, not a transposed view)")
+    return t
+
+
+def _scalar(name: str, x) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a python float or a 0-d tensor, got shape "
+                             f"{tuple(x.shape)}")
+        x = x.item()  # a host sync on a GPU: the gain is calibrated once, so it is cheap
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def _form(backend: str, device: torch.device) -> str:
+    """'cpu', 'cuda' or 'torch': which form runs for these tensors."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return "torch"
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        try:
+            from . import gpu  # noqa: F401  (numba-cuda: the `cuda` or `test` extra)
+        except ImportError as err:
+            if backend == "numba":
+                raise ImportError("backend='numba' on CUDA tensors needs numba-cuda: "
+                                  "pip install 'numba-cuda[cu13]'") from err
+            warnings.warn("numba-cuda is not installed; numba_kernels runs the torch "
+                          "reference on CUDA tensors", stacklevel=3)
+            return "torch"
+        return "cuda"
+    if backend == "numba":
+        raise ValueError(f"backend='numba' has kernels for cpu and cuda tensors, not "
+                         f"{device.type}; use backend='auto' or 'torch'")
+    return "torch"
+
+
+@contextlib.contextmanager
+def _cuda_launch(device: torch.device):
+    """Inside the tensors' device context, yields a numba stream wrapping torch's current one."""
+    from numba import cuda
+
+    with cuda.gpus[device.index or 0]:  # the stream belongs to this device's context
+        yield cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _device_array(t: torch.Tensor):
+    # No sync on the tensor's stream: every launch goes on torch's current stream, so
+    # stream order already places it after the work that produced the tensor.
+    from numba import cuda
+
+    return cuda.as_cuda_array(t, sync=False)
+
+
+def _mark_written(*tensors: torch.Tensor) -> None:
+    # Writes through numpy / CUDA array views bypass torch: bump the version counters
+    # so autograd still notices an in-place change to a tensor it saved.
+    torch.autograd.graph.increment_version(tensors)
+
+
+def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
+                 backend: str = "auto") -> MixedApical:
+    """The mixed apical signals of one population, and their sums of squares.
+
+    I (instruction) and h (activity): (B, *U), one dtype and device; C, P, b:
+    per-unit (*U); gain: python float or 0-d tensor. Traffic T = (g*C)*h, raw
+    R = I + T, innovation N = R - (P*h + b) (formed as I + ((g*C - P)*h - b)),
+    matched M_e = R_e * ||N_e|| / ||R_e|| per example e (M_e = 0 where R_e == 0).
+    ``rule`` picks ``.used``: raw R, innovation N or matched M. The sums of squares
+    (0-d float64 tensors on the inputs' device) are over the whole population;
+    for matched, ``ss_used`` is the sum of ||N_e||^2 over examples with R_e != 0
+    (what ||M_e|| equals in real arithmetic). ``out`` (B, *U), contiguous, receives
+    ``.used`` if given.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
+    h = _population("h", h)
+    I = _population("I", I, like=h)  # noqa: E741
+    C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
+    g = _scalar("gain", gain)
+    given = out  # returned as ``.used`` itself; written through its detached alias
+    if out is not None:
+        out = _in_place("out", _population("out", out, like=h))
+    form = _form(backend, h.device)
+    if form == "torch":
+        res = reference.mixed_apical_reference(I, h, C, g, P, b, rule)
+        if out is not None:
+            out.copy_(res.used)
+            res = res._replace(used=given)
+        return res
+
+    B, N = h.shape[0], h.numel() // h.shape[0]
+    used = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
+    code = cpu.RULE_CODES[rule]
+    if form == "cpu":
+        # numpy reshapes are cheaper than torch views; this path runs once per population
+        # per step, and its overhead is a visible share of a small population's time.
+        I_, h_, C_, P_, b_ = (t.contiguous().numpy() for t in (I, h, C, P, b))
+        gC = C_.reshape(N) * C_.dtype.type(g)  # g*C in the input dtype, as torch's C * g
+        tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), gC, P_.reshape(N),
+                               b_.reshape(N), code, used.numpy().reshape(B, N))
+        tot = torch.from_numpy(tot).unbind()  # five 0-d views in one call
+    else:
+        from . import gpu
+
+        flat = [t.contiguous().view(B, N) for t in (I, h)]
+        gC = (C * g).view(N)  # the product the reference forms: same rounding
+        units = [gC] + [t.contiguous().view(N) for t in (P, b)]
+        shapes = gpu.mixed_workspace_shapes(B, N)
+        ws = {k: torch.empty(s, dtype=torch.float64, device=h.device) for k, s in shapes.items()}
+        ws["scales"] = torch.empty(shapes["scales"], dtype=h.dtype, device=h.device)
+        with _cuda_launch(h.device) as stream:
+            arr = _device_array
+            gpu.mixed_apical(*(arr(t) for t in flat + units), code, arr(used.view(B, N)),
+                             *(arr(ws[k]) for k in ("part", "rows", "scales", "tot")),
+                             stream=stream)
+        tot = ws["tot"].unbind()
+    if out is not None:
+        _mark_written(out)
+        used = given
+    return MixedApical(used, tot[4], tot[0], tot[2], tot[3], tot[1])
+
+
+def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:
+    """One normalised-LMS step of the per-unit predictor, in place on P and b.
+
+    h, T: (B, *U) activity and the traffic it should predict (instruction-off
+    observations). With r = T - (P*h + b), per unit over the batch:
+    P += eta * mean_b(centred r * centred h) / (var_b(h) + 1e-12) (var biased: the
+    mean of centred squares), b += eta * mean_b(r). Both steps use the same r, the
+    residual before this update; reductions run in float64. Returns the
+    population's sums of squares of r (before the update) and of T.
+    """
+    h = _population("h", h)
+    T = _population("T", T, like=h)
+    P = _in_place("P", _per_unit("P", P, h))
+    b = _in_place("b", _per_unit("b", b, h))
+    lr = _scalar("eta", eta)
+    form = _form(backend, h.device)
+    if form == "torch":
+        return reference.predictor_update_reference(h, T, P, b, lr)
+    B, N = h.shape[0], h[0].numel()
+    flat = [t.contiguous().view(B, N) for t in (h, T)]
+    if form == "cpu":
+        tot = torch.from_numpy(cpu.predictor_update(*(t.numpy() for t in flat),
+                                                    P.view(N).numpy(), b.view(N).numpy(), lr))
+    else:
+        from . import gpu
+
+        shapes = gpu.predictor_workspace_shapes(N)
+        ws = {k: torch.empty(s, dtype=torch.float64, device=h.device) for k, s in shapes.items()}
+        with _cuda_launch(h.device) as stream:
+            arr = _device_array
+            gpu.predictor_update(*(arr(t) for t in flat), arr(P.view(N)), arr(b.view(N)), lr,
+                                 arr(ws["part"]), arr(ws["tot"]), stream=stream)
+        tot = ws["tot"]
+    _mark_written(P, b)
+    return PredictorStats(tot[0], tot[1])
+
+
+def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
+    """``dst += src`` in place (same shape, dtype and device; dst contiguous); returns dst."""
+    dst_d = _in_place("dst", _tensor("dst", dst))
+    src = _tensor("src", src, like=dst_d, like_name="dst's")
+    if src.shape != dst_d.shape:
+        raise ValueError(f"src ({_describe(src)}) must have dst's shape {tuple(dst_d.shape)} "
+                         f"(no broadcasting)")
+    form = _form(backend, dst_d.device)
+    if form == "torch" or dst_d.numel() == 0:
+        reference.aux_add_reference(dst_d, src)
+        return dst
+    flat = src if src.is_contiguous() else src.contiguous()
+    if form == "cpu":
+        cpu.aux_add(dst_d.numpy().reshape(-1), flat.numpy().reshape(-1))
+    else:
+        from . import gpu
+
+        with _cuda_launch(dst_d.device) as stream:
+            gpu.aux_add(_device_array(dst_d.view(-1)), _device_array(flat.view(-1)),
+                        stream=stream)
+    _mark_written(dst)
+    return dst
+
+
+__all__ = ["mixed_apical", "predictor_update", "aux_add", "MixedApical", "PredictorStats",
+           "RULES", "BACKENDS"]

@@ -1,0 +1,265 @@
+"""CUDA forms of the kernels (numba-cuda), zero-copy on anything with ``__cuda_array_interface__``.
+
+The maths is DESIGN section 5 (mixed apical traffic, seed 003), as in ``cpu.py``
+and ``reference.py``. This module takes device arrays (torch tensors wrapped by
+``cuda.as_cuda_array``, numba device arrays, or numpy arrays under the simulator
+``NUMBA_ENABLE_CUDASIM=1``) already flattened: populations ``(B, N)``, per-unit
+parameters ``(N,)``. The caller owns the workspace (so torch's caching allocator
+serves it) and the stream (torch's current stream).
+
+Determinism without atomics: each block reduces its threads' partial sums in
+shared memory by a fixed tree; a second kernel adds the block partials in index
+order, one thread per sum. Grids depend on (B, N) only, never on the device, so
+the same inputs give the same bits on every run.
+
+``kernels(tpb)`` builds the kernels for ``tpb`` threads per block (a power of
+two): 256 on a GPU, fewer under the simulator, which runs every thread as a
+Python thread.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+from numba import cuda, float64
+
+TPB = 256
+# Elements per thread and row block: fixes how many blocks share one example's row.
+ITEMS = 4
+MAX_ROW_BLOCKS = 256
+MAX_GRID_Y = 65535
+RAW, INNOVATION, MATCHED = 0, 1, 2
+
+
+def row_blocks(N: int, tpb: int = TPB) -> int:
+    """Blocks per example row of the mixed-apical kernels (a function of N only)."""
+    return max(1, min(MAX_ROW_BLOCKS, -(-N // (tpb * ITEMS))))
+
+
+def unit_blocks(N: int, tpb: int = TPB) -> int:
+    """Blocks of the predictor kernel: one thread per unit."""
+    return max(1, min(MAX_ROW_BLOCKS * 16, -(-N // tpb)))
+
+
+@cache
+def kernels(tpb: int = TPB) -> dict:
+    """The CUDA kernels for ``tpb`` threads per block, by name."""
+    if tpb & (tpb - 1):
+        raise ValueError(f"threads per block must be a power of two for the tree sums, got {tpb}")
+
+    @cuda.jit
+    def mixed_rows(I, h, gC, P, b, rule, out, part):
+        """Pass 1: signals, ``out`` for raw/innovation, block sums of squares.
+
+        Grid (row_blocks(N), min(B, 65535)), ``tpb`` threads; block (x, y) covers
+        units x*tpb + tx, stepping by gridDim.x*tpb, of rows y, y + gridDim.y, ...
+        Reads I, h (B, N), gC, P, b (N,); writes out (B, N) (not for matched) and
+        part (B, nbx, 4) float64. Bytes per element: 3 * itemsize (2 for matched).
+        """
+        tx = cuda.threadIdx.x
+        bx = cuda.blockIdx.x
+        sh = cuda.shared.array((4, tpb), float64)
+        B, N = I.shape
+        for e in range(cuda.blockIdx.y, B, cuda.gridDim.y):
+            s_i = s_t = s_r = s_n = 0.0
+            for j in range(bx * tpb + tx, N, cuda.gridDim.x * tpb):
+                i = I[e, j]
+                hv = h[e, j]
+                t = gC[j] * hv
+                r = i + t
+                n = i + ((gC[j] - P[j]) * hv - b[j])  # exact when P == gC, b == 0
+                if rule == RAW:
+                    out[e, j] = r
+                elif rule == INNOVATION:
+                    out[e, j] = n
+                s_i += float64(i) * float64(i)
+                s_t += float64(t) * float64(t)
+                s_r += float64(r) * float64(r)
+                s_n += float64(n) * float64(n)
+            sh[0, tx] = s_i
+            sh[1, tx] = s_t
+            sh[2, tx] = s_r
+            sh[3, tx] = s_n
+            # Fixed-order tree over the block: sh[q, 0] ends with the block's sum. (Inline:
+            # a device function would need a live GPU to compile for compile_ptx.)
+            cuda.syncthreads()
+            stride = tpb // 2
+            while stride > 0:
+                if tx < stride:
+                    for q in range(4):
+                        sh[q, tx] += sh[q, tx + stride]
+                cuda.syncthreads()
+                stride //= 2
+            if tx == 0:
+                for q in range(4):
+                    part[e, bx, q] = sh[q, 0]
+            cuda.syncthreads()  # sh is reused by the next row
+
+    @cuda.jit
+    def mixed_finish(part, rule, rows, scales, tot):
+        """Second pass: per-row sums, matched's scales, population totals.
+
+        One block of ``tpb`` threads. Row e's sums add part[e, :, q] in block order
+        (threads take rows e = tx, tx + tpb, ...); then thread q < 5 adds the rows in
+        row order. Writes rows (B, 4) float64, scales (B,) in the input dtype
+        (||N_e|| / ||R_e||, zero where raw is zero) and tot (5,) float64:
+        [instruction, traffic, raw, innovation, used].
+        """
+        tx = cuda.threadIdx.x
+        B = part.shape[0]
+        for e in range(tx, B, tpb):
+            for q in range(4):
+                s = 0.0
+                for k in range(part.shape[1]):
+                    s += part[e, k, q]
+                rows[e, q] = s
+            scales[e] = math.sqrt(rows[e, 3] / rows[e, 2]) if rows[e, 2] > 0.0 else 0.0
+        cuda.syncthreads()
+        if tx < 5:
+            s = 0.0
+            for e in range(B):
+                if tx < 4:
+                    s += rows[e, tx]
+                elif rule == RAW:
+                    s += rows[e, 2]
+                elif rule == INNOVATION or rows[e, 2] > 0.0:
+                    # matched: ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
+                    s += rows[e, 3]
+            tot[tx] = s
+
+    @cuda.jit
+    def matched_scale(I, h, gC, scales, out):
+        """Pass 2 of matched: out = (I + gC*h) * scales[e], raw recomputed from I and h.
+
+        Grid and block as ``mixed_rows``. Reads I, h (B, N), gC (N,), scales (B,);
+        writes out (B, N). Bytes per element: 3 * itemsize, so matched moves
+        5 * itemsize per element in all (two reads of I and h, one write).
+        """
+        tx = cuda.threadIdx.x
+        B, N = I.shape
+        for e in range(cuda.blockIdx.y, B, cuda.gridDim.y):
+            s = scales[e]
+            for j in range(cuda.blockIdx.x * tpb + tx, N, cuda.gridDim.x * tpb):
+                out[e, j] = (I[e, j] + gC[j] * h[e, j]) * s
+
+    @cuda.jit
+    def predictor(h, T, P, b, eta, part):
+        """Normalised-LMS step, one thread per unit, in place on P and b.
+
+        Grid unit_blocks(N), ``tpb`` threads; thread (x, tx) owns units x*tpb + tx,
+        stepping by gridDim.x*tpb, and walks the batch twice (means; centred
+        covariance and variance), in float64. Reads h, T (B, N) twice (coalesced
+        across a warp: neighbouring threads read neighbouring units), reads and
+        writes P, b (N,) in place; part (nbx, 2) float64 gets the block's sums of
+        squares of the residual (before the update) and of T.
+        """
+        tx = cuda.threadIdx.x
+        sh = cuda.shared.array((2, tpb), float64)
+        B, N = h.shape
+        s_r = s_t = 0.0
+        for j in range(cuda.blockIdx.x * tpb + tx, N, cuda.gridDim.x * tpb):
+            p = float64(P[j])
+            c = float64(b[j])
+            sum_h = sum_r = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                sum_h += hv
+                sum_r += float64(T[e, j]) - (p * hv + c)
+            mean_h = sum_h / B
+            mean_r = sum_r / B
+            cov = var = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                tv = float64(T[e, j])
+                r = tv - (p * hv + c)
+                hc = hv - mean_h
+                cov += (r - mean_r) * hc
+                var += hc * hc
+                s_r += r * r
+                s_t += tv * tv
+            P[j] = p + eta * (cov / B) / (var / B + 1e-12)
+            b[j] = c + eta * mean_r  # the same residual as P's step
+        sh[0, tx] = s_r
+        sh[1, tx] = s_t
+        cuda.syncthreads()
+        stride = tpb // 2
+        while stride > 0:  # the same fixed-order tree as mixed_rows
+            if tx < stride:
+                sh[0, tx] += sh[0, tx + stride]
+                sh[1, tx] += sh[1, tx + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tx == 0:
+            part[cuda.blockIdx.x, 0] = sh[0, 0]
+            part[cuda.blockIdx.x, 1] = sh[1, 0]
+
+    @cuda.jit
+    def sum_part(part, tot):
+        """Adds part[:, q] in block order into tot[q]; one block, thread q per column."""
+        q = cuda.threadIdx.x
+        if q < part.shape[1]:
+            s = 0.0
+            for k in range(part.shape[0]):
+                s += part[k, q]
+            tot[q] = s
+
+    @cuda.jit
+    def add(dst, src):
+        """dst += src on flat arrays, grid-stride. Reads src and dst, writes dst in place:
+        3 * itemsize bytes per element. Any grid works; no reduction, so nothing to order."""
+        for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+            dst[i] += src[i]
+
+    return dict(mixed_rows=mixed_rows, mixed_finish=mixed_finish, matched_scale=matched_scale,
+                predictor=predictor, sum_part=sum_part, add=add)
+
+
+def mixed_workspace_shapes(B: int, N: int, tpb: int = TPB) -> dict:
+    """Shapes of the float64 scratch arrays ``mixed_apical`` needs (scales: input dtype)."""
+    return dict(part=(B, row_blocks(N, tpb), 4), rows=(B, 4), scales=(B,), tot=(5,))
+
+
+def mixed_apical(I, h, gC, P, b, rule, out, part, rows, scales, tot, stream=0, tpb=TPB):
+    """Launches the fused mixed-apical pass (and matched's second pass); fills ``tot``."""
+    k = kernels(tpb)
+    B, N = I.shape
+    grid = (row_blocks(N, tpb), min(B, MAX_GRID_Y))
+    k["mixed_rows"][grid, tpb, stream](I, h, gC, P, b, rule, out, part)
+    k["mixed_finish"][1, tpb, stream](part, rule, rows, scales, tot)
+    if rule == MATCHED:
+        k["matched_scale"][grid, tpb, stream](I, h, gC, scales, out)
+
+
+def predictor_workspace_shapes(N: int, tpb: int = TPB) -> dict:
+    """Shapes of the float64 scratch arrays ``predictor_update`` needs."""
+    return dict(part=(unit_blocks(N, tpb), 2), tot=(2,))
+
+
+def predictor_update(h, T, P, b, eta, part, tot, stream=0, tpb=TPB):
+    """Launches the predictor step (in place on P, b); fills tot = [ss residual, ss T]."""
+    k = kernels(tpb)
+    k["predictor"][part.shape[0], tpb, stream](h, T, P, b, float(eta), part)
+    k["sum_part"][1, 32, stream](part, tot)
+
+
+def aux_add(dst, src, stream=0, tpb=TPB):
+    """Launches dst += src (flat arrays)."""
+    blocks = max(1, min(4096, -(-dst.size // tpb)))
+    kernels(tpb)["add"][blocks, tpb, stream](dst, src)
+
+
+def ptx_signatures(dtype: str) -> dict:
+    """Argument types of every kernel for ``cuda.compile_ptx``, for one float dtype."""
+    from numba import types
+
+    f = getattr(types, dtype)
+    pop, unit, f64 = f[:, ::1], f[::1], types.float64
+    return dict(
+        mixed_rows=(pop, pop, unit, unit, unit, types.int64, pop, f64[:, :, ::1]),
+        mixed_finish=(f64[:, :, ::1], types.int64, f64[:, ::1], unit, f64[::1]),
+        matched_scale=(pop, pop, unit, unit, pop),
+        predictor=(pop, pop, unit, unit, f64, f64[:, ::1]),
+        sum_part=(f64[:, ::1], f64[::1]),
+        add=(unit, unit),
+    )

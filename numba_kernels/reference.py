@@ -1,0 +1,59 @@
+"""Plain-torch forms of the kernels: the definitions the CPU and CUDA kernels are tested against.
+
+DESIGN section 5 (mixed apical traffic, seed 003), written the natural torch way
+(every intermediate allocated). Operation order follows the kernels where
+rounding could tell them apart: traffic is ``(g*C) * h`` with ``g*C`` formed once
+in the input dtype; innovation is ``I + ((g*C - P)*h - b)``, which is
+``R - (P*h + b)`` in real arithmetic and gives the instruction back bit for bit
+under an exact predictor (P == g*C, b == 0) even where a compiler fuses
+multiply-adds; sums of squares are accumulated in float64. The predictor
+update's reductions run in float64 and the result is rounded to the parameters'
+dtype once, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .results import MixedApical, PredictorStats
+
+
+def _ss(x: torch.Tensor) -> torch.Tensor:
+    return x.square().sum(dtype=torch.float64)
+
+
+def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # noqa: E741
+    """Traffic, raw, innovation and matched for one population, in plain torch."""
+    gC = C * gain  # (*U)
+    T = gC * h  # (B, *U)
+    R = I + T
+    N = I + ((gC - P) * h - b)
+    if rule == "raw":
+        used = R
+    elif rule == "innovation":
+        used = N
+    else:
+        dims = tuple(range(1, I.dim()))
+        ss_r = R.square().sum(dim=dims, dtype=torch.float64)  # (B,)
+        ss_n = N.square().sum(dim=dims, dtype=torch.float64)
+        # An all-zero raw row has no direction: its matched signal is zero.
+        scale = torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
+        used = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
+    return MixedApical(used, _ss(used), _ss(I), _ss(R), _ss(N), _ss(T))
+
+
+def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:
+    """Normalised-LMS step on P and b in place; statistics of the residual before it."""
+    h64, T64 = h.double(), T.double()
+    r = T64 - (P.double() * h64 + b.double())  # (B, *U)
+    hc = h64 - h64.mean(0)
+    rc = r - r.mean(0)
+    var = hc.square().mean(0)  # biased: mean of centred squares
+    P.copy_(P.double() + eta * (rc * hc).mean(0) / (var + 1e-12))
+    b.copy_(b.double() + eta * r.mean(0))  # the same residual as P's step
+    return PredictorStats(_ss(r), _ss(T))
+
+
+def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst += src`` in place."""
+    return dst.add_(src)

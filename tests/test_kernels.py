@@ -1,0 +1,327 @@
+"""numba_kernels CPU forms against the torch reference, invariants, and input errors.
+
+Oracles: the plain-torch reference (itself checked against the definitions of
+DESIGN section 5 written out directly), exact invariants (an exact predictor
+gives innovation == instruction; matched has innovation's per-example norm and
+raw's direction), and bitwise run-to-run equality.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import numba_kernels as nk
+from numba_kernels import cpu
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+# (B, N): odd sizes; one example; a 1-D (B, C, L) and a 2-D (B, C, H, W) population;
+# a flat (B, N) one; a batch that is not a multiple of anything and rows longer than
+# one CPU chunk (cpu.CHUNK units) that end mid-chunk; one big enough for the parallel kernel.
+SHAPES = [(1, 7), (13, 3, 29), (5, 3, 7, 9), (3, 2, 71, 37), (129, 257)]
+
+
+def test_shapes_cover_multi_chunk_rows_and_both_kernels():
+    n = [math.prod(s[1:]) for s in SHAPES]
+    assert any(k > cpu.CHUNK and k % cpu.CHUNK for k in n)
+    assert any(math.prod(s) >= cpu.SERIAL_BELOW for s in SHAPES)
+SS = ("ss_used", "ss_instruction", "ss_raw", "ss_innovation", "ss_traffic")
+
+
+def population(shape, dtype, seed=0, gain=0.7):
+    g = torch.Generator().manual_seed(seed)
+    u = shape[1:]
+    return dict(
+        I=torch.randn(shape, generator=g, dtype=dtype),
+        h=torch.randn(shape, generator=g, dtype=dtype).relu(),
+        C=(0.25 * torch.randn(u, generator=g, dtype=dtype)).exp(),
+        gain=gain,
+        P=torch.randn(u, generator=g, dtype=dtype),
+        b=0.1 * torch.randn(u, generator=g, dtype=dtype),
+    )
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def ss(x) -> float:
+    return float(x.double().square().sum())
+
+
+def test_reference_is_the_design_definition():
+    # The reference against the definitions, written out per example in float64.
+    p = population((4, 3, 5), torch.float64)
+    I, h, C, g, P, b = p["I"], p["h"], p["C"], p["gain"], p["P"], p["b"]
+    T = g * C * h
+    R = I + T
+    N = R - (P * h + b)
+    M = torch.stack([R[e] * N[e].norm() / R[e].norm() for e in range(4)])
+    for rule, want in (("raw", R), ("innovation", N), ("matched", M)):
+        got = nk.mixed_apical_reference(I, h, C, g, P, b, rule)
+        assert rel(got.used, want) < 1e-13
+        assert math.isclose(float(got.ss_used), ss(want), rel_tol=1e-13)
+        for name, x in (("ss_instruction", I), ("ss_raw", R), ("ss_innovation", N),
+                        ("ss_traffic", T)):
+            assert math.isclose(float(getattr(got, name)), ss(x), rel_tol=1e-13), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rule", nk.RULES)
+def test_mixed_apical_cpu_matches_reference(shape, dtype, rule):
+    p = population(shape, dtype)
+    got = nk.mixed_apical(**p, rule=rule)
+    want = nk.mixed_apical(**p, rule=rule, backend="torch")
+    assert got.used.shape == shape and got.used.dtype == dtype
+    assert rel(got.used, want.used) < TOL[dtype]
+    for name in SS:
+        x = getattr(got, name)
+        assert x.dtype == torch.float64 and x.dim() == 0
+        assert math.isclose(float(x), float(getattr(want, name)), rel_tol=TOL[dtype]), name
+    # RMS magnitudes are what the callers log: check one against a direct computation
+    assert math.isclose(math.sqrt(float(got.ss_traffic) / got.used.numel()),
+                        math.sqrt(ss(p["gain"] * p["C"] * p["h"]) / p["h"].numel()),
+                        rel_tol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_predictor_gives_the_instruction(dtype):
+    p = population((7, 4, 1300), dtype)  # odd batch, parallel kernel, two chunks per row
+    assert p["I"].numel() >= cpu.SERIAL_BELOW and 4 * 1300 > cpu.CHUNK
+    p["P"] = p["gain"] * p["C"]
+    p["b"] = torch.zeros_like(p["b"])
+    for backend in ("auto", "torch"):
+        out = nk.mixed_apical(**p, rule="innovation", backend=backend)
+        assert torch.equal(out.used, p["I"])
+        assert float(out.ss_innovation) == pytest.approx(ss(p["I"]), rel=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matched_has_innovation_norm_and_raw_direction(dtype):
+    p = population((9, 3, 41), dtype)
+    m = nk.mixed_apical(**p, rule="matched")
+    r = nk.mixed_apical(**p, rule="raw").used.double().flatten(1)
+    n = nk.mixed_apical(**p, rule="innovation").used.double().flatten(1)
+    u = m.used.double().flatten(1)
+    tol = TOL[dtype]
+    assert torch.allclose(u.norm(dim=1), n.norm(dim=1), rtol=tol, atol=0)
+    cos = (u * r).sum(1) / (u.norm(dim=1) * r.norm(dim=1))
+    assert torch.allclose(cos, torch.ones_like(cos), rtol=0, atol=tol)
+    # the norms differ from raw's (otherwise the test above could not fail)
+    assert (r.norm(dim=1) / n.norm(dim=1) - 1).abs().min() > 1e-3
+    assert float(m.ss_used) == pytest.approx(float(n.square().sum()), rel=tol)
+
+
+def test_matched_zero_raw_row_is_zero():
+    p = population((3, 8), torch.float64)
+    p["I"][1] = 0.0
+    p["h"][1] = 0.0  # R_1 = 0, while N_1 = -b is not
+    for backend in ("auto", "torch"):
+        m = nk.mixed_apical(**p, rule="matched", backend=backend)
+        assert torch.isfinite(m.used).all() and torch.equal(m.used[1], torch.zeros(8,
+                                                                                 dtype=p["I"].dtype))
+        n = nk.mixed_apical(**p, rule="innovation").used
+        assert float(m.ss_used) == pytest.approx(ss(n[[0, 2]]), rel=1e-12)
+
+
+def test_zero_gain_and_predictor_give_the_instruction_for_every_rule():
+    p = population((4, 2, 9), torch.float64, gain=0.0)
+    p["P"] = torch.zeros_like(p["P"])
+    p["b"] = torch.zeros_like(p["b"])
+    for rule in nk.RULES:
+        out = nk.mixed_apical(**p, rule=rule)
+        assert torch.equal(out.used, p["I"]), rule
+        assert float(out.ss_traffic) == 0.0
+
+
+@pytest.mark.parametrize("rule", nk.RULES)
+def test_mixed_apical_is_bitwise_deterministic(rule):
+    p = population((64, 16, 8, 8), torch.float32, seed=3)  # parallel kernel
+    assert p["I"].numel() >= cpu.SERIAL_BELOW
+    first = nk.mixed_apical(**p, rule=rule)
+    for _ in range(3):
+        again = nk.mixed_apical(**p, rule=rule)
+        assert torch.equal(again.used, first.used)
+        assert all(torch.equal(getattr(again, k), getattr(first, k)) for k in SS)
+
+
+def test_serial_and_parallel_kernels_agree_bitwise():
+    # The chunking fixes the arithmetic; the thread schedule must not change it.
+    p = population((40, 1000), torch.float32, seed=4)
+    B, N = 40, 1000
+    gC = (p["C"] * p["gain"]).numpy()
+    args = [p["I"].numpy(), p["h"].numpy(), gC, p["P"].numpy(), p["b"].numpy()]
+    for code in (cpu.RAW, cpu.INNOVATION, cpu.MATCHED):
+        outs, tots = [], []
+        for kernel in (cpu._mixed_serial, cpu._mixed_parallel):
+            out = np.empty((B, N), dtype=np.float32)
+            tots.append(kernel(*args, code, out, np.empty((B, 4)), np.zeros(B, np.float32),
+                               np.float32(0)))
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1]) and np.array_equal(tots[0], tots[1])
+
+
+def test_mixed_apical_inputs_grad_noncontiguous_and_out():
+    p = population((5, 6, 7), torch.float64)
+    want = nk.mixed_apical(**p, rule="innovation", backend="torch")
+    q = dict(p)
+    q["I"] = p["I"].clone().requires_grad_(True)
+    q["h"] = p["h"].transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous view
+    q["gain"] = torch.tensor(p["gain"], dtype=torch.float64)  # 0-d tensor gain
+    assert not q["h"].is_contiguous()
+    out = torch.empty(5, 6, 7, dtype=torch.float64)
+    got = nk.mixed_apical(**q, rule="innovation", out=out)
+    assert got.used is out and not got.used.requires_grad
+    assert rel(out, want.used) < 1e-12
+
+
+def test_mixed_apical_errors_name_the_argument():
+    p = population((4, 3, 5), torch.float32)
+    with pytest.raises(ValueError, match=r"rule='clean'; allowed: raw, matched, innovation"):
+        nk.mixed_apical(**p, rule="clean")
+    with pytest.raises(ValueError, match=r"I \(shape \(4, 3, 6\).*must have the population's "
+                                         r"shape \(4, 3, 5\)"):
+        nk.mixed_apical(**{**p, "I": torch.zeros(4, 3, 6)}, rule="raw")
+    with pytest.raises(ValueError, match=r"C \(shape \(15,\).*must be per unit, shape \(3, 5\)"):
+        nk.mixed_apical(**{**p, "C": torch.ones(15)}, rule="raw")
+    with pytest.raises(ValueError, match=r"P \(.*dtype torch.float64.*must match the "
+                                         r"population's dtype torch.float32"):
+        nk.mixed_apical(**{**p, "P": p["P"].double()}, rule="raw")
+    with pytest.raises(TypeError, match=r"h has dtype torch.float16; numba_kernels takes "
+                                        r"torch.float32 or torch.float64"):
+        nk.mixed_apical(**{**p, "h": p["h"].half(), "I": p["I"].half()}, rule="raw")
+    with pytest.raises(ValueError, match=r"h \(shape \(5,\).*must be a non-empty population"):
+        nk.mixed_apical(**{**p, "h": torch.ones(5), "I": torch.ones(5)}, rule="raw")
+    with pytest.raises(ValueError, match=r"gain must be finite, got nan"):
+        nk.mixed_apical(**{**p, "gain": float("nan")}, rule="raw")
+    with pytest.raises(ValueError, match=r"gain must be a python float or a 0-d tensor"):
+        nk.mixed_apical(**{**p, "gain": torch.ones(2)}, rule="raw")
+    out = torch.empty(4, 5, 3).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"out \(shape \(4, 3, 5\), stride \(15, 1, 3\).*"
+                                         r"written in place and must be contiguous"):
+        nk.mixed_apical(**p, rule="raw", out=out)
+    with pytest.raises(ValueError, match=r"backend='gpu'; allowed: auto, numba, torch"):
+        nk.mixed_apical(**p, rule="raw", backend="gpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 5), (7, 3, 11), (6, 2, 5, 7), (33, 700)])
+def test_predictor_update_cpu_matches_reference(shape, dtype):
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(shape, generator=g, dtype=dtype).relu() + 0.5
+    T = 1.7 * h + 0.3 + 0.1 * torch.randn(shape, generator=g, dtype=dtype)
+    P0 = torch.randn(shape[1:], generator=g, dtype=dtype)
+    b0 = torch.randn(shape[1:], generator=g, dtype=dtype)
+    P1, b1, P2, b2 = P0.clone(), b0.clone(), P0.clone(), b0.clone()
+    got = nk.predictor_update(h, T, P1, b1, 0.25)
+    want = nk.predictor_update(h, T, P2, b2, 0.25, backend="torch")
+    assert rel(P1 - P0, P2 - P0) < TOL[dtype] and rel(b1 - b0, b2 - b0) < TOL[dtype]
+    for a, w in zip(got, want):
+        assert math.isclose(float(a), float(w), rel_tol=TOL[dtype])
+    # the statistics are of the residual before the step, against a direct computation
+    r = T.double() - (P0.double() * h.double() + b0.double())
+    assert math.isclose(float(got.ss_residual), ss(r), rel_tol=TOL[dtype])
+    assert math.isclose(float(got.ss_traffic), ss(T), rel_tol=TOL[dtype])
+
+
+def test_predictor_update_is_the_design_rule_and_converges():
+    # One step written out by hand in float64, then many steps: a unit whose traffic
+    # is an exact affine function of h is learnt (eta = 1 solves it in one step).
+    g = torch.Generator().manual_seed(6)
+    h = torch.rand(50, 4, 3, generator=g, dtype=torch.float64)
+    T = 2.5 * h - 0.4
+    P, b = torch.zeros(4, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
+    r = T - (P * h + b)
+    hc, rc = h - h.mean(0), r - r.mean(0)
+    dP = 0.5 * (rc * hc).mean(0) / (hc.square().mean(0) + 1e-12)
+    db = 0.5 * r.mean(0)
+    nk.predictor_update(h, T, P, b, 0.5)
+    assert rel(P, dP) < 1e-12 and rel(b, db) < 1e-12
+    P.zero_(), b.zero_()
+    nk.predictor_update(h, T, P, b, 1.0)
+    assert torch.allclose(P, torch.full_like(P, 2.5), atol=1e-10)
+    for _ in range(60):
+        stats = nk.predictor_update(h, T, P, b, 1.0)
+    assert torch.allclose(b, torch.full_like(b, -0.4), atol=1e-10)
+    assert float(stats.ss_residual) < 1e-18 * float(stats.ss_traffic)
+
+
+def test_predictor_update_one_example_and_version_bump():
+    h = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    T = torch.tensor([[3.0, 1.0]], dtype=torch.float64)
+    P, b = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    v = P._version
+    nk.predictor_update(h, T, P, b, 0.5)
+    # one example: no variance, so P does not move; b takes half the residual
+    assert torch.equal(P, torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(b, torch.tensor([1.5, 0.5], dtype=torch.float64))
+    assert P._version > v
+
+
+def test_predictor_update_errors():
+    h = torch.rand(4, 3, 5)
+    P = torch.zeros(5, 3).t()
+    with pytest.raises(ValueError, match=r"P \(shape \(3, 5\), stride \(1, 3\).*written in "
+                                         r"place and must be contiguous"):
+        nk.predictor_update(h, h, P, torch.zeros(3, 5), 0.1)
+    with pytest.raises(ValueError, match=r"b \(shape \(5,\).*must be per unit, shape \(3, 5\)"):
+        nk.predictor_update(h, h, torch.zeros(3, 5), torch.zeros(5), 0.1)
+    with pytest.raises(ValueError, match=r"T \(shape \(4, 5, 3\).*must have the population's"):
+        nk.predictor_update(h, torch.rand(4, 5, 3), torch.zeros(3, 5), torch.zeros(3, 5), 0.1)
+    with pytest.raises(ValueError, match=r"eta must be finite, got inf"):
+        nk.predictor_update(h, h, torch.zeros(3, 5), torch.zeros(3, 5), float("inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 37, cpu.SERIAL_BELOW + 3])
+def test_aux_add(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    dst = torch.randn(n, generator=g, dtype=dtype).view(-1, 1)
+    src = torch.randn(n, generator=g, dtype=dtype).view(-1, 1)
+    want = dst + src
+    v = dst._version
+    assert nk.aux_add(dst, src) is dst
+    assert torch.equal(dst, want) and dst._version > v
+
+
+def test_aux_add_noncontiguous_src_grad_and_errors():
+    dst = torch.zeros(3, 4, requires_grad=True)
+    src = torch.arange(12.0).view(4, 3).t()
+    with torch.no_grad():
+        nk.aux_add(dst, src)
+    assert torch.equal(dst.detach(), src)
+    with pytest.raises(ValueError, match=r"dst \(shape \(4, 3\), stride \(1, 4\).*must be "
+                                         r"contiguous"):
+        nk.aux_add(torch.zeros(3, 4).t(), src.t())
+    with pytest.raises(ValueError, match=r"src \(shape \(4, 3\).*must have dst's shape \(3, 4\) "
+                                         r"\(no broadcasting\)"):
+        nk.aux_add(torch.zeros(3, 4), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"src \(.*dtype torch.float64.*must match dst's dtype "
+                                         r"torch.float32"):
+        nk.aux_add(torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_bench_kernels_quick_smoke(capsys):
+    # The benchmark's --quick size runs end to end and prints every figure it promises.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--quick"])
+    finally:
+        torch.set_num_threads(threads)
+    text = capsys.readouterr().out
+    for line in ("mixed_apical speedup vs torch reference", "mixed_apical bandwidth / torch "
+                 "add(out=)", "aux_add bandwidth / torch add_", "GB/s", "threads: numba"):
+        assert line in text, line

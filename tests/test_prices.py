@@ -1,0 +1,206 @@
+"""Price sources and the multi-horizon loader: definitions, no look-ahead, splits, bad inputs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lab.data import DataError
+from lab.data.prices import (
+    MultiHorizonLoader,
+    csv_prices,
+    synthetic_prices,
+    vega_prices,
+)
+
+HORIZONS = (1, 3, 7)
+
+
+def _walk(n=120, seed=0):
+    return synthetic_prices("random_walk", length=n, drift=0.0005, volatility=0.02, seed=seed)
+
+
+def _loader(prices, **kw):
+    args = dict(window=5, seq_len=4, horizons=HORIZONS, main_horizon=3, val_fraction=0.25)
+    return MultiHorizonLoader(prices, **{**args, **kw})
+
+
+def test_outcomes_equal_a_direct_computation():
+    prices = _walk()
+    data = _loader(prices)
+    lp = np.log(prices)
+    r = np.diff(lp, prepend=lp[0])
+    for t in (20, 57, len(prices) - 1 - HORIZONS[-1]):
+        sigma = math.sqrt(sum(r[k] ** 2 for k in range(1, t + 1)) / t)
+        np.testing.assert_allclose(data.features[t].numpy(), r[t - 4:t + 1] / sigma, rtol=1e-6)
+        for i, h in enumerate(HORIZONS):
+            moves = [lp[t + k] - lp[t] for k in range(1, h + 1)]
+            scale = sigma * math.sqrt(h)
+            assert data.long[t, i].item() == pytest.approx(max(moves) / scale, rel=1e-6)
+            assert data.short[t, i].item() == pytest.approx(max(-m for m in moves) / scale,
+                                                             rel=1e-6)
+        assert data.direction[t].item() == float(lp[t + 3] > lp[t])
+
+
+def test_constant_drift_scales_to_known_values():
+    data = _loader(synthetic_prices("constant", length=80, drift=0.01))
+    t = data.train_ends[0]
+    assert torch.allclose(data.features[t], torch.ones(5))
+    expected_long = torch.tensor([math.sqrt(h) for h in HORIZONS])
+    torch.testing.assert_close(data.long[t], expected_long)
+    torch.testing.assert_close(data.short[t], -1 / expected_long)
+    assert data.direction[data.train_ends].eq(1).all()
+
+
+@pytest.mark.parametrize("t0", [30, 61, 90])
+def test_no_look_ahead(t0):
+    """Perturb every price after t0: features up to t0, and the horizon-h targets of every t
+    with t + h <= t0, are unchanged; later ones change (so the check can fail)."""
+    prices = _walk(seed=1)
+    perturbed = prices.copy()
+    perturbed[t0 + 1:] *= np.exp(np.random.default_rng(0).normal(0, 0.05, len(prices) - t0 - 1))
+    a, b = _loader(prices), _loader(perturbed)
+    assert torch.equal(a.features[:t0 + 1], b.features[:t0 + 1])
+    assert not torch.equal(a.features[t0 + 1:], b.features[t0 + 1:])
+    last = len(prices) - 1 - HORIZONS[-1]
+    for i, h in enumerate(HORIZONS):
+        safe = slice(0, t0 - h + 1)  # t + h <= t0
+        assert torch.equal(a.long[safe, i], b.long[safe, i])
+        assert torch.equal(a.short[safe, i], b.short[safe, i])
+        if t0 - h + 1 <= last:
+            reads_later = slice(t0 - h + 1, last + 1)
+            assert not torch.equal(a.long[reads_later, i], b.long[reads_later, i])
+    m = HORIZONS.index(3)
+    assert m >= 0 and torch.equal(a.direction[:t0 - 3 + 1], b.direction[:t0 - 3 + 1])
+
+
+def test_validation_is_the_later_part_and_training_targets_stop_before_it():
+    data = _loader(_walk(200))
+    h_max = HORIZONS[-1]
+    assert data.train_ends.max() + h_max <= data.cut <= data.val_ends.min()
+    assert data.val_ends.max() == 200 - 1 - h_max
+    assert data.train_ends.min() - (data.seq_len - 1) - data.window >= 0
+    # Every example's features were built from whole windows of real returns.
+    batch = data.batch(data.train_ends[:3])
+    assert batch.x.shape == (3, 4, 5) and batch.long.shape == (3, 3)
+    torch.testing.assert_close(batch.x[:, -1], data.features[data.train_ends[:3]])
+    sample = data.sample(64, torch.Generator().manual_seed(0))
+    assert set(sample.ends.tolist()) <= set(data.train_ends.tolist())
+    assert len(data.validation().ends) == len(data.val_ends)
+
+
+def test_vega_prices_are_read_from_the_installed_wheel():
+    from vega_datasets import data as vega
+
+    assert vega.stocks.is_local and Path(vega.stocks.filepath).is_file()
+    msft = vega_prices("MSFT")
+    assert msft.shape == (123,) and msft[0] == pytest.approx(39.81)  # 2000-01
+    assert vega_prices("GOOG").shape == (68,)
+    pooled = vega_prices()  # the default: AAPL, AMZN, IBM, MSFT on the same 123 months
+    assert pooled.shape == (4, 123)
+    np.testing.assert_array_equal(pooled[3], msft)
+    data = MultiHorizonLoader(pooled)  # the trainer's defaults fit the monthly series
+    assert len(data.train_ends) == 4 * 44 and len(data.val_ends) == 4 * 17
+
+
+def test_aligned_series_are_each_their_own_loader_cut_at_one_time():
+    a, b = _walk(150, seed=2), _walk(150, seed=3)
+    both, only_a, only_b = _loader(np.stack([a, b])), _loader(a), _loader(b)
+    assert both.cut == only_a.cut
+    n = 150
+    torch.testing.assert_close(both.train_ends,
+                               torch.cat([only_a.train_ends, only_b.train_ends + n]))
+    torch.testing.assert_close(both.val_ends, torch.cat([only_a.val_ends, only_b.val_ends + n]))
+    for name in ("features", "long", "short", "direction"):
+        torch.testing.assert_close(getattr(both, name)[n:], getattr(only_b, name))
+    # A sequence never crosses from one series into the next.
+    x = both.batch(both.train_ends[len(only_a.train_ends):][:1]).x
+    torch.testing.assert_close(x, only_b.batch(only_b.train_ends[:1]).x)
+    with pytest.raises(DataError, match=r"price series\[1\] has 1 NaN"):
+        _loader(np.stack([a, np.where(np.arange(n) == 5, np.nan, b)]))
+
+
+def test_csv_source(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("date,close\n" + "".join(f"{i},{100 + i}\n" for i in range(5)))
+    np.testing.assert_array_equal(csv_prices(path, "close"), 100 + np.arange(5.0))
+
+
+def test_synthetic_sources_are_seeded_and_leave_the_global_rng_alone():
+    state = np.random.get_state()[1].copy()
+    a = synthetic_prices("random_walk", length=50, seed=3)
+    np.testing.assert_array_equal(a, synthetic_prices("random_walk", length=50, seed=3))
+    assert not np.array_equal(a, synthetic_prices("random_walk", length=50, seed=4))
+    assert np.array_equal(state, np.random.get_state()[1])
+    regimes = synthetic_prices("regimes", length=41, drift=0.01, volatility=0.0, regime_length=10)
+    steps = np.diff(np.log(regimes))
+    np.testing.assert_allclose(steps, np.repeat([0.01, -0.01, 0.01, -0.01], 10))
+
+
+# ---------------------------------------------------------------------------
+# bad inputs: clear errors naming the value and what is allowed
+
+
+def test_series_too_short():
+    with pytest.raises(DataError, match=r"has 23 prices, too short for window=5, seq_len=4 and "
+                                        r"the largest horizon 7: it needs at least 24"):
+        _loader(_walk(30)[:23])
+    data = _loader(_walk(30)[:24])  # the shortest allowed: one example on each side
+    assert len(data.train_ends) >= 1 and len(data.val_ends) >= 1
+    with pytest.raises(DataError, match=r"too short"):
+        _loader(_walk(30), horizons=(1, 20), main_horizon=1)
+
+
+def test_nan_and_non_positive_prices():
+    prices = _walk()
+    bad = prices.copy()
+    bad[17] = np.nan
+    with pytest.raises(DataError, match=r"NaN or infinite price\(s\), the first at index 17"):
+        _loader(bad)
+    bad = prices.copy()
+    bad[40] = -2.0
+    with pytest.raises(DataError, match=r"non-positive price\(s\), the first at index 40 "
+                                        r"\(-2.0\)"):
+        _loader(bad)
+    bad[40] = 0.0
+    with pytest.raises(DataError, match=r"non-positive"):
+        _loader(bad)
+
+
+def test_csv_without_the_named_column(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("date,close\n1,2\n")
+    with pytest.raises(DataError, match=r"has no column 'price'; its columns are: date, close"):
+        csv_prices(path, "price")
+    with pytest.raises(DataError, match=r"does not exist"):
+        csv_prices(tmp_path / "missing.csv", "close")
+
+
+def test_csv_with_text_in_the_price_column(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("close\n" + "".join(f"{100 + i}\n" for i in range(60)) + "n/a\n")
+    with pytest.raises(DataError, match=r"NaN or infinite price\(s\), the first at index 60"):
+        _loader(csv_prices(path, "close"))
+
+
+@pytest.mark.parametrize("horizons", [(5, 1, 20), (1, 1, 5), (20, 5)])
+def test_horizons_not_increasing(horizons):
+    with pytest.raises(DataError, match=r"are not strictly increasing"):
+        _loader(_walk(), horizons=horizons, main_horizon=horizons[0])
+
+
+def test_other_bad_arguments():
+    with pytest.raises(DataError, match=r"main_horizon=4 is not one of horizons=\(1, 3, 7\)"):
+        _loader(_walk(), main_horizon=4)
+    with pytest.raises(DataError, match=r"integers >= 1"):
+        _loader(_walk(), horizons=(0, 3), main_horizon=3)
+    with pytest.raises(DataError, match=r"symbol 'TSLA' is not in the bundled.*all, AAPL"):
+        vega_prices("TSLA")
+    with pytest.raises(DataError, match=r"synthetic kind 'trend' is not known"):
+        synthetic_prices("trend")
+    with pytest.raises(DataError, match=r"does not move"):
+        _loader(np.full(100, 5.0))
