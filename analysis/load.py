@@ -1,10 +1,17 @@
 """A protocol's runs as DataFrames, without torch: what every analysis starts from.
 
 ``load_protocol_runs`` reads the protocol (expected run ids and their grid
-points), the run records under its ``out`` directory (``lab.records``) and the
-number of epochs each run should have (its ``epochs`` parameter, else the
-notebook's default). Runs in the directory that the protocol does not expect
-are left out, so an edited grid does not mix old runs into the analysis.
+points) and the run records under its ``out`` directory (``lab.records``);
+what each run must hold is declared in its own record (``expect``). Only
+``<out>/<run_id>`` counts as a run of the protocol: runs the protocol does not
+expect, and old runs moved aside by ``--force`` (``<run_id>.old-<time>``, same
+run id), are left out, so an edited grid does not mix old runs into the
+analysis.
+
+Grid keys may be dotted (``rule_params.traffic_rule``) and grid values may be
+dicts: :meth:`ProtocolRuns.table` flattens them into one column per leaf
+(``rule_params.traffic_rule``), and :attr:`ProtocolRuns.group_keys` names those
+columns, so summaries and figures group by any grid key.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ class ProtocolRuns:
     runs_dir: Path
     runs: pd.DataFrame  # lab.records.load_runs, expected runs only
     metrics: pd.DataFrame  # lab.records.load_metrics, expected runs only
-    n_epochs: dict[str, int | None]  # run_id -> expected epochs (None: not a parameter)
 
     @property
     def expected_ids(self) -> list[str]:
@@ -37,27 +43,37 @@ class ProtocolRuns:
 
     @property
     def group_keys(self) -> list[str]:
-        """The grid keys a summary groups by: all but the seed."""
-        return [key for key in sorted(self.protocol.grid) if key != SEED_KEY]
+        """The grid columns a summary groups by (flattened, see :meth:`table`): all
+        but the seed."""
+        columns = dict.fromkeys(name for spec in self.specs for name in _flat(spec.grid))
+        return sorted(name for name in columns if name != SEED_KEY)
 
-    def check_complete(self, trajectory_fields=(), final_fields=()) -> None:
-        """:func:`analysis.completeness.check_complete` with this protocol's expectations."""
-        n_epochs = {run_id: n or 0 for run_id, n in self.n_epochs.items()}
-        check_complete(self.runs, self.metrics, self.expected_ids, n_epochs,
-                       trajectory_fields, final_fields)
+    def check_complete(self, row_metrics=(), final_metrics=()) -> None:
+        """:func:`analysis.completeness.check_complete` for this protocol's expected runs."""
+        check_complete(self.runs, self.metrics, self.expected_ids, row_metrics, final_metrics)
 
     def table(self) -> pd.DataFrame:
-        """One row per expected run: run_id, its grid values, status, final.* metrics."""
-        grid = pd.DataFrame([{"run_id": s.run_id, **s.grid} for s in self.specs])
-        keep = ["run_id", "status", "n_epochs"] + [
+        """One row per expected run: run_id, its grid values (a dict value flattened
+        into one column per leaf, ``key.leaf``; lists as tuples), status, row
+        count, final.* metrics."""
+        grid = pd.DataFrame([{"run_id": s.run_id, **_flat(s.grid)} for s in self.specs])
+        keep = ["run_id", "status", "n_rows"] + [
             c for c in self.runs.columns if c.startswith("final.")]
         found = self.runs[[c for c in keep if c in self.runs.columns]]
         return grid.merge(found, on="run_id", how="left")
 
 
-def _epochs(spec: RunSpec, defaults: dict) -> int | None:
-    value = spec.params.get("epochs", defaults.get("epochs"))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def _flat(point: dict, prefix: str = "") -> dict:
+    """{"rule_params": {"a": 1}, "dims": [1, 2]} -> {"rule_params.a": 1, "dims": (1, 2)}."""
+    out = {}
+    for key, value in point.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{name}."))
+        else:
+            # Tuples, so a list-valued grid key can be grouped by.
+            out[name] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
@@ -66,20 +82,31 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     A missing runs directory loads as no runs: the completeness check then
     lists every run as missing.
     """
-    from lab.notebook import notebook_defaults
-
-    protocol = load_protocol(protocol_path)
+    protocol = load_protocol(protocol_path, configs=False)  # no config class: no torch
     specs = expand(protocol)
     directory = Path(runs_dir or protocol.out)
-    ids = {spec.run_id for spec in specs}
-    if directory.is_dir():
-        runs = records.load_runs(directory)
-        metrics = records.load_metrics(directory)
-    else:
-        runs = pd.DataFrame(columns=list(records.RUN_COLUMNS))
-        metrics = records.tidy_metrics({"run_id": "none"})
-    runs = runs[runs["run_id"].isin(ids)].reset_index(drop=True)
-    metrics = metrics[metrics["run_id"].isin(ids)].reset_index(drop=True)
-    defaults = notebook_defaults(protocol.notebook)
-    n_epochs = {spec.run_id: _epochs(spec, defaults) for spec in specs}
-    return ProtocolRuns(protocol, specs, directory, runs, metrics, n_epochs)
+    # A protocol's run is exactly <out>/<run_id>: not an old run moved aside
+    # beside it (same run id), nor anything else under <out>.
+    dirs = [directory / spec.run_id for spec in specs
+            if (directory / spec.run_id / records.RECORD_FILE).is_file()]
+    run_frames, metric_frames, problems = [], [], []
+    for run_dir in dirs:
+        try:
+            runs = records.load_runs(run_dir)
+            run_frames.append(runs[[Path(p).resolve() == run_dir.resolve()
+                                    for p in runs["path"]]])
+            metric_frames.append(records.load_metrics(run_dir))
+        except records.RecordError as err:
+            problems.append((run_dir / records.RECORD_FILE, str(err)))
+    if problems:
+        lines = "\n".join(f"  - {message}" for _, message in problems)
+        raise records.RecordError(f"{len(problems)} run records could not be read (fix or "
+                                  f"remove them; none were skipped):\n{lines}",
+                                  path=problems[0][0], problems=problems)
+    run_frames = [frame for frame in run_frames if len(frame)]
+    runs = pd.concat(run_frames, ignore_index=True) if run_frames else \
+        pd.DataFrame(columns=list(records.RUN_COLUMNS))
+    metric_frames = [frame for frame in metric_frames if len(frame)]
+    metrics = pd.concat(metric_frames, ignore_index=True) if metric_frames else \
+        records.tidy_metrics({"run_id": "none"})
+    return ProtocolRuns(protocol, specs, directory, runs, metrics)

@@ -1,26 +1,42 @@
 """The ``lab`` command line: train, run notebooks, sweep protocols, list runs, report.
 
-    lab train  --out runs/bp-s0 -p rule bp -p seed 0 [-f params.yaml]
-    lab run    notebooks/01-train-conv.ipynb --out runs/bp-s0 -p rule bp [-f params.yaml]
-    lab sweep  protocols/demo.yaml [--scheduler ADDRESS] [--workers N]
+    lab train  --out runs/bp-s0 -p rule bp -p seed 0 [-f params.yaml] [--force]
+    lab run    notebooks/01-train-conv.ipynb --out runs/bp-s0 -p rule bp [-f params.yaml] [--force]
+    lab sweep  protocols/demo.yaml [--scheduler ADDRESS] [--workers N] [--force]
     lab runs   runs/demo | protocols/demo.yaml
     lab report protocols/demo.yaml [--notebook NB] [--out reports]
 
+Parameters: ``-f`` files in order, then ``-p`` pairs; a dotted key
+(``-p rule_params.scale 0.5``) sets one key inside a dict parameter. Every
+parameter is checked before anything starts or is created. A run directory
+that already holds a finished run of the same parameters is left alone; one
+holding a run of other parameters is refused with the differing fields
+(``--force`` moves the old run aside to ``<out>.old-<time>``, never deletes).
+
 Exit status: 0 when everything asked for completed, 1 when a run failed (or
-diverged, for train/run), 2 for bad input (unknown parameter, bad protocol).
+diverged, for train/run), was held by another process or could not be read,
+2 for bad input (unknown parameter or bad value, bad protocol or parameter
+file, a run directory holding other parameters, an unwritable directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
+from .config import ConfigError
+
 if TYPE_CHECKING:
     import pandas as pd
+
+
+class ParameterFileError(ConfigError):
+    """A ``-f`` parameter file that cannot be used."""
 
 
 def parse_value(text: str):
@@ -30,53 +46,136 @@ def parse_value(text: str):
             return cast(text)
         except ValueError:
             pass
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
+
+
+def _read_parameter_file(path: str) -> dict:
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ParameterFileError(f"parameter file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ParameterFileError(f"parameter file {path} is a directory; give a YAML file "
+                                 "of parameter: value lines") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParameterFileError(f"parameter file {path} cannot be read as text ({err}); give "
+                                 "a YAML file of parameter: value lines") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ParameterFileError(f"parameter file {path} is not valid YAML{where} ({problem}); "
+                                 "give a YAML mapping of parameter: value lines") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
+        raise ParameterFileError(f"parameter file {path} holds a {type(loaded).__name__}, not a "
+                                 "mapping of parameter names to values")
+    return loaded
 
 
 def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> dict:
-    """-f files in order, then -p pairs; dotted keys ``a.b`` build nested dicts."""
+    """-f files in order, then -p pairs. Dotted keys (``a.b``) are kept as they
+    are: :func:`lab.notebook.apply_params` sets them inside their dict parameter."""
     params: dict = {}
     for path in files or []:
-        loaded = yaml.safe_load(Path(path).read_text())
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"{path}: expected a YAML mapping of parameter -> value")
-        params.update(loaded)
+        params.update(_read_parameter_file(path))
     for key, value in pairs or []:
-        target = params
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = parse_value(value)
+        params[key] = parse_value(value)
     return params
 
 
-def _train(args) -> int:
-    from .config import ConfigError, from_dict
-    from .train import ConvConfig, train_conv
-
-    try:
-        config = from_dict(ConvConfig, collect_params(args.param, args.file))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    record = train_conv(config, args.out)
-    print(f"{record['status']}: {record['final']} -> {args.out}")
-    return 0 if record["status"] == "complete" else 1
-
-
-def _error(exc: Exception) -> int:
+def _error(exc: Exception | str) -> int:
     print(f"error: {exc}", file=sys.stderr)
     return 2
 
 
+def _check_writable(out: Path) -> None:
+    """Refuse a run directory that cannot be created or written, before anything runs."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory for the run")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, so the run directory cannot be "
+                          "made there; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the run directory" if existing == out else f"{existing}, where it would be made,"
+        raise ConfigError(f"--out {out}: {what} is not writable; choose a directory you can "
+                          "write to")
+
+
+def _replace(force: bool) -> str:
+    return "always" if force else "never"
+
+
+def _train(args) -> int:
+    from dataclasses import asdict
+
+    from .config import from_dict
+    from .notebook import Resolved, apply_params, decide
+    from .runlock import RunLocked, move_aside
+    from .train import ConvConfig, train_conv
+
+    out = Path(args.out).resolve()
+    try:
+        config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
+        _check_writable(out)
+        resolved = Resolved({}, asdict(config), full=True)
+        decision, state = decide(out, resolved, _replace(args.force))
+    except ConfigError as exc:
+        return _error(exc)
+    except RunLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if decision == "done":
+        print(f"{out.name}: already {state.status} with these parameters; nothing to do "
+              f"(--force trains it afresh, keeping the old run aside) -> {args.out}")
+        return 0 if state.status == "complete" else 1
+    try:
+        if decision == "replace":
+            print(f"the old run is kept in {move_aside(out)}")
+        record = train_conv(config, out)
+    except RunLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:  # e.g. DataError: the dataset is smaller than n_train
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{record['status']}: {record['final']} -> {args.out}")
+    if record.get("error"):
+        print(f"error: {record['error']}", file=sys.stderr)
+    return 0 if record["status"] == "complete" else 1
+
+
 def _run(args) -> int:
-    from .config import ConfigError
-    from .notebook import NotebookError, execute
+    from .notebook import NotebookError, RunConflict, execute
+    from .runlock import RunLocked
 
     try:
-        result = execute(args.notebook, args.out, collect_params(args.param, args.file))
-    except (ConfigError, NotebookError, OSError, yaml.YAMLError) as exc:
+        params = collect_params(args.param, args.file)
+        _check_writable(Path(args.out))
+        result = execute(args.notebook, args.out, params, replace=_replace(args.force))
+    except (RunConflict, ConfigError, NotebookError) as exc:
         return _error(exc)
+    except RunLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        return _error(f"{type(exc).__name__}: {exc}")
+    if result.skipped:
+        print(f"{result.run_id}: already {result.status} with these parameters; nothing to do "
+              f"(--force runs it afresh, keeping the old run aside) -> {result.out_dir}")
+        return 0 if result.status == "complete" else 1
+    if result.moved_aside:
+        print(f"the old run is kept in {result.moved_aside}")
     print(f"{result.run_id}: {result.status} in {result.wall_s:.1f} s -> {result.notebook}")
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
@@ -95,20 +194,63 @@ def _sweep(args) -> int:
         return _error(exc)
     try:
         report = run_sweep(protocol, scheduler=args.scheduler, workers=args.workers,
-                           progress=not args.quiet)
+                           progress=not args.quiet, force=args.force)
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
         print(f"\ninterrupted; run `lab sweep {args.protocol}` again to finish the remaining "
               "runs (finished ones are kept)", file=sys.stderr)
         return 130
-    table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]]
+    table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
     print(table.to_string(index=False, max_colwidth=80))
     print(report.summary())
-    return 1 if report.failed else 0
+    return 1 if report.failed or report.left_alone else 0
 
 
-def runs_table(target) -> pd.DataFrame:
-    """Runs under a directory, or a protocol's expected runs (missing ones included)."""
+# ---------------------------------------------------------------------------
+# lab runs
+
+
+def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
+    """The readable runs (load_runs' rows, status made live) and the unreadable ones."""
+    import pandas as pd
+
+    from . import records, runlock
+
+    frames, unreadable = [], []
+    for run_dir in record_dirs:
+        try:
+            runs = records.load_runs(run_dir)
+        except records.RecordError as err:
+            unreadable.append((run_dir, str(err)))
+            continue
+        frames.append(runs[[Path(p) == run_dir for p in runs["path"]]])  # not nested runs
+    frames = [frame for frame in frames if len(frame)]
+    if not frames:
+        return pd.DataFrame(columns=list(records.RUN_COLUMNS)), unreadable
+    runs = pd.concat(frames, ignore_index=True)
+    # record.json says "running" for a live run and for one whose process was
+    # killed; the lock tells them apart.
+    live = []
+    for path, status in zip(runs["path"], runs["status"]):
+        pid = runlock.holder(path)
+        if pid is not None:
+            live.append(f"running (pid {pid})" if pid else "running")
+        else:
+            live.append("interrupted" if status == "running" else status)
+    return runs.assign(status=live), unreadable
+
+
+def _relative(path: str, base: Path) -> str:
+    try:
+        return str(Path(path).relative_to(base)) or "."
+    except ValueError:
+        return str(path)
+
+
+def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+    """(runs, unreadable) under a directory of runs, a single run, or a protocol's
+    expected runs (missing ones included). ``dir`` is each run's directory
+    relative to the path given; unreadable is [(dir, reason)]."""
     import pandas as pd
 
     from . import records
@@ -118,24 +260,46 @@ def runs_table(target) -> pd.DataFrame:
     if target.suffix in (".yaml", ".yml"):
         from .sweep import expand, load_protocol
 
-        protocol = load_protocol(target)
+        protocol = load_protocol(target, configs=False)  # listing runs made, not making them
         expected = [spec.run_id for spec in expand(protocol)]
-        target = Path(protocol.out)
-    if expected is None or target.is_dir():
-        runs = records.load_runs(target)  # a missing directory is an error unless expected
+        root = Path(protocol.out)
+    elif target.is_file() and target.name == records.RECORD_FILE:
+        root = target.parent
+    elif target.is_file():
+        raise FileNotFoundError(f"{target} is a file; give a directory of runs, a run's "
+                                f"{records.RECORD_FILE}, or a protocol (.yaml)")
+    elif not target.is_dir():
+        raise FileNotFoundError(f"{target}: no such directory of runs")
     else:
-        runs = pd.DataFrame(columns=list(records.RUN_COLUMNS))
+        root = target
+    root = root.resolve()
+    dirs = sorted(p.parent for p in root.glob(f"**/{records.RECORD_FILE}")) \
+        if root.is_dir() else []
+    if expected is not None:  # a protocol's runs are exactly <out>/<run_id>
+        dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
+    runs, unreadable = _run_rows(dirs)
     if expected is not None:
-        missing = [rid for rid in expected if rid not in set(runs["run_id"])]
-        runs = runs[runs["run_id"].isin(expected)]
-        runs = pd.concat([runs, pd.DataFrame({"run_id": missing, "status": "missing"})],
+        found = set(runs["run_id"]) | {d.name for d, _ in unreadable}
+        missing = [rid for rid in expected if rid not in found]
+        runs = pd.concat([runs, pd.DataFrame({"run_id": missing, "status": "missing",
+                                              "path": [str(root / m) for m in missing]})],
                          ignore_index=True)
+        order = {rid: i for i, rid in enumerate(expected)}
+        runs = runs.sort_values("run_id", key=lambda ids: ids.map(order), kind="stable")
+    base = root if expected is not None else (target.resolve() if target.is_dir() else root)
+    runs = runs.assign(dir=[_relative(p, base) for p in runs["path"]])
+    count = "n_rows" if "n_rows" in runs.columns else "n_epochs"
     finals = [c for c in runs.columns if c.startswith("final.")]
-    table = runs[["run_id", "status", "n_epochs", *finals, "error"]].copy()
-    table["n_epochs"] = table["n_epochs"].astype("Int64")  # missing runs have none
+    columns = ["run_id", "dir", "status", *(["axis"] if "axis" in runs.columns else []), count,
+               *finals, "error"]
+    table = runs[columns].copy().reset_index(drop=True)
+    table[count] = table[count].astype("Int64")  # missing runs have none
     table["error"] = table["error"].map(lambda e: e.splitlines()[0][:60] if isinstance(e, str)
                                         else "")
-    return table.rename(columns=lambda c: c.removeprefix("final."))
+    if "axis" in table.columns:
+        table["axis"] = table["axis"].fillna("")
+    bad = [(_relative(str(d), base), reason) for d, reason in unreadable]
+    return table.rename(columns=lambda c: c.removeprefix("final.")), bad
 
 
 def _runs(args) -> int:
@@ -143,23 +307,28 @@ def _runs(args) -> int:
     from .sweep import ProtocolError
 
     try:
-        table = runs_table(args.target)
+        table, unreadable = runs_table(args.target)
     except (RecordError, ProtocolError, FileNotFoundError) as exc:
         return _error(exc)
-    if table.empty:
+    if table.empty and not unreadable:
         print(f"no runs under {args.target}")
         return 0
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    if not table.empty:
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    if unreadable:
+        print(f"\n{len(unreadable)} run(s) could not be read:")
+        for where, reason in unreadable:
+            print(f"  {where}: {reason}")
+        return 1
     return 0
 
 
 def _report(args) -> int:
-    from .config import ConfigError
     from .notebook import NotebookError, execute, render_html
     from .sweep import load_protocol
 
     try:
-        protocol = load_protocol(args.protocol)
+        protocol = load_protocol(args.protocol, configs=False)  # reads runs, makes none
         notebook = args.notebook or protocol.report
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "
@@ -180,8 +349,11 @@ def _report(args) -> int:
 
 def _params_args(parser) -> None:
     parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="a parameter (value parsed as YAML); repeatable")
+                        help="a parameter (value parsed as YAML; a dotted key sets one key "
+                             "inside a dict parameter); repeatable")
     parser.add_argument("-f", "--file", action="append", help="YAML file of parameters")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a run already in --out (moved aside, never deleted)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,10 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("protocol", help="protocols/*.yaml")
     sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
     sweep.add_argument("--workers", type=int, help="local workers (default: the protocol's)")
+    sweep.add_argument("--force", action="store_true",
+                       help="replace runs finished with other parameters (moved aside)")
     sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
     runs = sub.add_parser("runs", help="table of runs with status and final metrics")
-    runs.add_argument("target", help="a directory of runs, or a protocol YAML")
+    runs.add_argument("target", help="a directory of runs, a record.json, or a protocol YAML")
     runs.set_defaults(func=_runs)
     report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
     report.add_argument("protocol")

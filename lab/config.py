@@ -125,7 +125,7 @@ def from_dict(cls, values: dict | None = None, **overrides):
     if unknown:
         raise ConfigError(
             f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}; "
-            f"known fields: {', '.join(known)}"
+            f"known fields: {', '.join(known) or '(none: it takes no parameters)'}"
         )
     return cls(**merged)
 

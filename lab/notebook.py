@@ -12,12 +12,25 @@ Only JSON values are recorded; non-finite floats travel as the strings
     <out_dir>/notebook.ipynb   the executed notebook (metadata.lab: run_id,
                                params, status, error, values)
     <out_dir>/record.json      written by the notebook (e.g. train_conv), or a
-                               minimal one made here (kind "notebook")
+                               minimal one made here (kind "notebook"): the
+                               single source of the run's status
 
-Parameters the notebook does not declare are refused before anything runs. A
-failing cell leaves the run ``failed`` with the error, and the executed
-notebook with the traceback. The kernel is ``python3`` and must be this
-interpreter (:func:`ensure_kernel`), so runs see the same installed ``lab``.
+Parameters are checked before anything runs or is created: names the notebook
+does not declare are refused, and a notebook that names its config class in
+its metadata (``"lab_config": "lab.train.conv:ConvConfig"``) has the resolved
+parameters (its defaults, then the given values; a dotted key such as
+``rule_params.scale`` sets one key inside a dict parameter) built into that
+class, so a bad value is refused with the class's message. The run directory
+is then decided from its record.json: a finished run of the same resolved
+config is left alone, one of another config is refused unless replaced (moved
+aside, never deleted), and a directory another process holds is skipped. The
+executing process holds the run's lock (``lab.runlock``) and the kernel dies
+with it (Linux: ``PR_SET_PDEATHSIG``), so no orphaned kernel writes into a run
+that a restarted sweep has started again. A failing cell leaves the run
+``failed`` with the error, naming the cell by its position in the source
+notebook, and the executed notebook with the traceback. The kernel is
+``python3`` and must be this interpreter (:func:`ensure_kernel`), so runs see
+the same installed ``lab``.
 As with papermill, the kernel starts in the caller's working directory
 (Jupyter and nbval start it in the notebook's): relative paths given as
 parameters are relative to where ``lab run``/``lab sweep`` was started.
@@ -27,8 +40,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
+import dataclasses
 import functools
-import math
+import importlib
+import json
 import os
 import sys
 import time
@@ -37,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import records
-from .config import ConfigError
+from . import records, runlock
+from .config import ConfigError, field_names, from_dict, identity
 
 if TYPE_CHECKING:  # imported where used: kernels import this module for record_value
     import nbformat
@@ -46,7 +62,9 @@ if TYPE_CHECKING:  # imported where used: kernels import this module for record_
 RECORD_MIME = "application/vnd.lab.record+json"
 OUTPUT_NOTEBOOK = "notebook.ipynb"
 KERNEL = "python3"
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")
+CONFIG_KEY = "lab_config"  # notebook metadata: "module:Class" its parameters build
+RESERVED = ("out_dir",)  # parameters set by execute, never given
 # The kernel's own INFO/WARNING/ERROR chatter (e.g. "running over TCP without
 # encryption" for a kernel on localhost) would drown a sweep's log.
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL"]
@@ -125,8 +143,6 @@ def read_values(executed_notebook) -> dict:
 def config_from(cls, namespace: Mapping):
     """``cls`` built from the names in ``namespace`` (a notebook's ``globals()``)
     that are its fields: the parameters cell declares them with the same names."""
-    from .config import field_names, from_dict
-
     missing = [name for name in field_names(cls) if name not in namespace]
     if missing:
         raise ParameterError(f"{cls.__name__} field(s) {', '.join(missing)} are not defined in "
@@ -160,10 +176,9 @@ def declared_parameters(notebook) -> dict[str, dict]:
     return dict(papermill.inspect_notebook(str(notebook)))
 
 
-def notebook_defaults(notebook) -> dict[str, Any]:
-    """The ``parameters`` cell's defaults as Python values (literals are evaluated)."""
+def _literal_defaults(declared: Mapping[str, dict]) -> dict[str, Any]:
     defaults = {}
-    for name, info in declared_parameters(notebook).items():
+    for name, info in declared.items():
         try:
             defaults[name] = ast.literal_eval(info["default"])
         except (ValueError, SyntaxError):
@@ -171,14 +186,164 @@ def notebook_defaults(notebook) -> dict[str, Any]:
     return defaults
 
 
+def notebook_defaults(notebook) -> dict[str, Any]:
+    """The ``parameters`` cell's defaults as Python values (literals are evaluated)."""
+    return _literal_defaults(declared_parameters(notebook))
+
+
+def config_class(notebook, nb=None) -> type | None:
+    """The config class named by the notebook's ``metadata["lab_config"]``
+    (``"module:Class"``), or None when it names none."""
+    nb = _read(notebook) if nb is None else nb
+    name = nb.metadata.get(CONFIG_KEY)
+    if name is None:
+        return None
+    module, _, attr = str(name).partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise NotebookError(
+            f"notebook {notebook}: metadata {CONFIG_KEY}={name!r} does not name an importable "
+            f"class ({type(err).__name__}: {err}); expected 'module:Class', e.g. "
+            "'lab.train.conv:ConvConfig'") from None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise NotebookError(f"notebook {notebook}: metadata {CONFIG_KEY}={name!r} is not a "
+                            "config dataclass")
+    return cls
+
+
+@dataclass(frozen=True)
+class NotebookSpec:
+    """What a notebook accepts: its declared parameters, their defaults, its config class."""
+
+    path: Path
+    declared: dict
+    defaults: dict
+    config_class: type | None
+
+
+def notebook_spec(notebook, *, with_class: bool = True) -> NotebookSpec:
+    """Read ``notebook`` once for everything :func:`resolve_parameters` needs;
+    ``with_class=False`` leaves its config class unimported (analyses: no torch)."""
+    nb = _read(notebook)  # a clear error for a missing or broken file first
+    declared = declared_parameters(notebook)
+    cls = config_class(notebook, nb) if with_class else None
+    return NotebookSpec(Path(notebook), declared, _literal_defaults(declared), cls)
+
+
+def _root(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
 def check_parameters(notebook, params: Mapping, declared=None) -> None:
-    """Raise ParameterError naming every parameter ``notebook`` does not declare."""
+    """Raise ParameterError naming every parameter ``notebook`` does not declare
+    (a dotted key ``a.b`` needs ``a`` declared), or ``out_dir``, which is the run's."""
     declared = declared_parameters(notebook) if declared is None else declared
-    unknown = [name for name in params if name not in declared]
+    unknown = [name for name in params if _root(name) not in declared]
+    settable = [name for name in declared if name not in RESERVED]
     if unknown:
-        listed = ", ".join(declared) if declared else "(none: it has no cell tagged 'parameters')"
+        listed = ", ".join(settable) if declared else \
+            "(none: it has no cell tagged 'parameters')"
         raise ParameterError(f"notebook {notebook} does not declare parameter(s) "
                              f"{', '.join(map(repr, unknown))}; declared: {listed}")
+    reserved = [name for name in params if _root(name) in RESERVED]
+    if reserved:
+        raise ParameterError(f"{reserved[0]}={params[reserved[0]]!r} was given as a parameter; "
+                             "the run directory is set by --out (or the sweep), not by a "
+                             "parameter")
+
+
+def apply_params(base: Mapping, params: Mapping) -> dict:
+    """``base`` updated with ``params`` (copies; neither is changed).
+
+    Plain keys replace a value; then each dotted key ``a.b`` sets key ``b``
+    inside the dict parameter ``a``, keeping its other keys.
+    """
+    out = copy.deepcopy(dict(base))
+    for key, value in params.items():
+        if "." not in key:
+            out[key] = copy.deepcopy(value)
+    for key in sorted(k for k in params if "." in k):
+        root, *inner, leaf = key.split(".")
+        target = out.setdefault(root, {})
+        for depth, name in enumerate([root, *inner]):
+            if depth:
+                target = target.setdefault(name, {})
+            if not isinstance(target, dict):
+                where = ".".join([root, *inner][:depth + 1])
+                raise ParameterError(
+                    f"{key}={params[key]!r} sets a key inside {where}, but {where} is "
+                    f"{target!r} ({type(target).__name__}), not a dict; a dotted key sets one "
+                    "key inside a dict parameter such as rule_params")
+        target[leaf] = copy.deepcopy(params[key])
+    return out
+
+
+def _as_stored(value: Any) -> Any:
+    """``value`` as a record stores and reads it back (tuples become lists)."""
+    return records.decode_nonfinite(json.loads(json.dumps(records.encode_nonfinite(value))))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's parameters with the notebook's defaults filled in."""
+
+    params: dict  # what papermill injects: the keys given, dotted ones merged into their dict
+    config: dict  # the run's resolved config, as its record stores it
+    full: bool  # config holds every field (built by the notebook's config class)
+
+
+def resolve_parameters(notebook, params: Mapping | None = None,
+                       spec: NotebookSpec | None = None) -> Resolved:
+    """Check ``params`` against the notebook before anything runs.
+
+    Unknown names are refused; with a config class (``metadata["lab_config"]``)
+    the defaults plus ``params`` must build it, so a bad value is a ConfigError
+    naming the field, the value and what is allowed. Without one, the resolved
+    config is the declared defaults updated with ``params``.
+    """
+    spec = notebook_spec(notebook) if spec is None else spec
+    params = dict(params or {})
+    check_parameters(notebook, params, spec.declared)
+    defaults = {k: v for k, v in spec.defaults.items() if k not in RESERVED}
+    merged = apply_params(defaults, params)
+    given = {root: merged[root] for root in dict.fromkeys(map(_root, params))}
+    cls = spec.config_class
+    if cls is None:
+        return Resolved(given, _as_stored(merged), full=False)
+    fields = set(field_names(cls))
+    dotted = [key for key in params if "." in key]
+    context = f" (given by {', '.join(dotted)})" if dotted else ""
+    try:
+        config = from_dict(cls, {k: v for k, v in merged.items() if k in fields})
+    except ConfigError as err:
+        if not context:
+            raise
+        raise ParameterError(f"{err}{context}") from None
+    except (TypeError, ValueError) as err:  # a check in the class's own __post_init__
+        raise ParameterError(f"{cls.__name__}: {err}{context}") from None
+    return Resolved(given, _as_stored(dataclasses.asdict(config)), full=True)
+
+
+_ABSENT = object()
+
+
+def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[str]:
+    """``"field: <then> there vs <now> now"`` for each field that differs.
+
+    Display-only fields (``lab.config.DISPLAY_ONLY``) never differ. ``full``
+    compares every field of either; otherwise only fields both hold (a notebook
+    without a config class may record a config of its own shape).
+    """
+    then, now = identity(_as_stored(dict(then))), identity(_as_stored(dict(now)))
+    keys = set(then) | set(now) if full else set(then) & set(now)
+
+    def shown(config, key):
+        value = config.get(key, _ABSENT)
+        return "(absent)" if value is _ABSENT else repr(value)
+
+    return [f"{key}: {shown(then, key)} there vs {shown(now, key)} now" for key in sorted(keys)
+            if then.get(key, _ABSENT) != now.get(key, _ABSENT)]
 
 
 @functools.cache
@@ -224,6 +389,43 @@ def _same_file(a: str, b: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# kernels that die with the process that started them
+
+# Run as `python -c _LAUNCHER <kernel argv...>`: ask Linux to SIGKILL this process
+# when its parent dies, then become the kernel (the request survives execve). A
+# kernel orphaned by a killed sweep would otherwise keep training and writing
+# for about a second, until ipykernel's parent poller noticed.
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+parent = os.environ.get("JPY_PARENT_PID")
+if parent and os.getppid() != int(parent):  # the parent died before the request
+    os._exit(1)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+@functools.cache
+def _kernel_manager_class():
+    from jupyter_client.manager import AsyncKernelManager
+
+    class BoundKernelManager(AsyncKernelManager):
+        """Starts the kernel through ``_LAUNCHER``, so it dies with its parent."""
+
+        def format_kernel_cmd(self, extra_arguments=None):
+            cmd = super().format_kernel_cmd(extra_arguments)
+            return [sys.executable, "-c", _LAUNCHER, *cmd]
+
+    return BoundKernelManager
+
+
+def _papermill_options() -> dict:
+    if sys.platform.startswith("linux"):
+        return {"kernel_manager_class": _kernel_manager_class()}
+    return {}  # no PR_SET_PDEATHSIG: ipykernel's parent poller is the fallback
+
+
+# ---------------------------------------------------------------------------
 # execution
 
 
@@ -238,6 +440,8 @@ class RunResult:
     error: str | None
     values: dict
     wall_s: float
+    skipped: bool = False  # already finished with these parameters: nothing was executed
+    moved_aside: Path | None = None  # where a replaced old run was kept
 
     @property
     def ok(self) -> bool:
@@ -248,9 +452,9 @@ class RunResult:
 def _kernel_env(threads: int | None, env: Mapping[str, str | None] | None):
     """Environment for the kernel, which copies os.environ when it starts.
 
-    ``threads`` sets the OMP/MKL/OpenBLAS thread counts; ``env`` sets variables
-    (None unsets one). Changed for the duration of one execution and restored:
-    a sweep worker runs one execution at a time.
+    ``threads`` sets the OMP/MKL/OpenBLAS/Numba thread counts; ``env`` sets
+    variables (None unsets one). Changed for the duration of one execution and
+    restored: a sweep worker runs one execution at a time.
     """
     changes = dict(env or {})
     if threads:
@@ -271,12 +475,39 @@ def _apply(changes: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def _describe_error(err: Exception) -> str:
+_INSERTED_TAGS = ("injected-parameters", "papermill-error-cell-tag")  # cells papermill adds
+
+
+def failing_cell(executed_notebook) -> tuple[int, str] | None:
+    """(position counted from 1 in the *source* notebook, first line) of the cell
+    that raised, or None. Papermill's own index counts the cells it inserted."""
+    try:
+        nb = _read(executed_notebook)
+    except NotebookError:
+        return None
+    position = 0
+    for cell in nb.cells:
+        if set(cell.metadata.get("tags", [])) & set(_INSERTED_TAGS):
+            continue
+        position += 1
+        raised = any(o.get("output_type") == "error" for o in cell.get("outputs", []))
+        if raised or cell.metadata.get("papermill", {}).get("exception"):
+            lines = [line.strip() for line in cell.source.splitlines() if line.strip()]
+            return position, (lines[0] if lines else "")
+    return None
+
+
+def _describe_error(err: Exception, notebook: Path, target: Path) -> str:
     from papermill.exceptions import PapermillExecutionError
 
     if isinstance(err, PapermillExecutionError):
         # The traceback stays in the executed notebook; the record gets the gist.
-        return f"{err.ename}: {err.evalue} (in cell {err.cell_index})"
+        where = failing_cell(target)
+        if where is None:
+            return f"{err.ename}: {err.evalue}"
+        position, first = where
+        return (f"{err.ename}: {err.evalue} (in cell {position} of {notebook.name}, counting "
+                f"every cell from 1, which starts `{first[:60]}`)")
     return f"{type(err).__name__}: {err}"
 
 
@@ -292,45 +523,67 @@ def _papermill(notebook: Path, target: Path, params: dict, timeout: float | None
             extra_arguments=KERNEL_ARGS,
             # Every output is on disk by now and run files are written atomically;
             # a graceful shutdown waits seconds for torch's exit handlers.
-            shutdown_kernel="immediate")
+            shutdown_kernel="immediate", **_papermill_options())
     except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
-        return _describe_error(err)
+        return _describe_error(err, notebook, target)
     return None
 
 
-def _finite_numbers(values: dict) -> dict:
+def _is_metric(value: Any) -> bool:
+    if value is None or isinstance(value, (int, float)):
+        return True
+    if isinstance(value, dict):
+        return all(_is_metric(item) for item in value.values())
+    if isinstance(value, list):
+        return all(_is_metric(item) for item in value)
+    return False
+
+
+def _metric_values(values: dict) -> dict:
+    # Non-finite values are kept: records encode them, and a NaN is a result. A
+    # bare None (nothing measured) and text are not metrics.
     return {key: value for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)}
+            if value is not None and _is_metric(value)}
 
 
-def mark_failed(run_dir, run_id: str, params: Mapping, error: str) -> dict:
-    """Set the run's record to ``failed`` with ``error``, keeping what it holds;
-    a run that failed before writing a record (or whose record is unreadable)
-    gets a minimal one."""
+def _existing_created(run_dir: Path) -> str | None:
+    try:
+        return records.load_record(run_dir, rows=False)["created"]
+    except (records.RecordError, OSError, KeyError):
+        return None
+
+
+def mark_failed(run_dir, run_id: str, config: Mapping, error: str) -> dict:
+    """Set the run's record to ``failed`` with ``error``, keeping what it holds
+    (``created`` included); a run that failed before writing a record (or whose
+    record is unreadable) gets a minimal one with ``config``. The caller holds
+    the run's lock."""
     run_dir = Path(run_dir)
     try:
-        record = records.load_record(run_dir)
+        record = records.load_record(run_dir, rows=False)  # the rows stay as they are
     except records.RecordError:
-        record = records.new_record(run_id=run_id, kind="notebook", config=dict(params))
+        record = records.new_record(run_id=run_id, kind="notebook", config=dict(config))
     record.update(status="failed", error=error)
     records.save_run(run_dir, record)
     return record
 
 
-def _settle_record(out: Path, run_id: str, params: dict, values: dict, error: str | None,
+def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: str | None,
                    started: float) -> tuple[str, str | None]:
     """Bring record.json in line with how the notebook ended; returns (status, error)."""
     if error is not None:
-        mark_failed(out, run_id, params, error)
+        mark_failed(out, run_id, config, error)
         return "failed", error
     path = out / records.RECORD_FILE
     if not path.exists() or path.stat().st_mtime < started:
         # A notebook that trains nothing still leaves a record (replacing one
-        # from an earlier attempt), so sweeps of it resume like any other; its
-        # numeric recorded values are the final metrics.
-        record = records.new_record(run_id=run_id, kind="notebook", config=params)
-        record.update(status="complete", final=_finite_numbers(values))
+        # from an earlier attempt, whose creation time it keeps), so sweeps of it
+        # resume like any other; its recorded values are the final metrics.
+        created = _existing_created(out)
+        record = records.new_record(run_id=run_id, kind="notebook", config=config)
+        record.update(status="complete", final=_metric_values(values))
+        if created:
+            record["created"] = created
         records.save_run(out, record)
         return "complete", None
     try:
@@ -341,13 +594,13 @@ def _settle_record(out: Path, run_id: str, params: dict, values: dict, error: st
         if record["status"] != "running":
             return record["status"], record.get("error")
         error = "the notebook finished but its record is still 'running'"
-    mark_failed(out, run_id, params, error)
+    mark_failed(out, run_id, config, error)
     return "failed", error
 
 
 def _finish_notebook(target: Path, meta: dict) -> None:
-    """Mirror the outcome into metadata.lab, written last: a run is finished only
-    once this is on disk, so a kill before it never passes for complete."""
+    """Mirror the outcome into metadata.lab (for readers of the notebook; the
+    run's status lives in record.json)."""
     import nbformat
 
     nb = nbformat.read(target, as_version=4)
@@ -356,39 +609,115 @@ def _finish_notebook(target: Path, meta: dict) -> None:
     records.atomic_write(target, lambda tmp: nbformat.write(nb, str(tmp)))
 
 
+class RunConflict(ConfigError):
+    """The run directory holds another run: refused before anything was changed.
+
+    ``reason``: "stale" (a run of other parameters) or "unreadable" (its record
+    cannot be read, so it cannot be compared).
+    """
+
+    def __init__(self, message: str, reason: str = "stale"):
+        super().__init__(message)
+        self.reason = reason
+
+
+REPLACE = ("never", "conflicting", "always")
+
+
+def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
+            ) -> tuple[str, runlock.RunState]:
+    """What to do with ``out``: "execute" (fresh, or resume an interrupted or
+    failed run of the same config), "done" (finished with the same config) or
+    "replace" (move the old run aside first). RunLocked / RunConflict otherwise."""
+    state = runlock.inspect(out, locked=locked)
+    if state.status == "running":
+        raise runlock.RunLocked(out, state.pid)
+    if state.status == "missing":
+        return "execute", state
+    if state.status == "unreadable":
+        reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
+    else:
+        diffs = config_differences(state.record["config"], resolved.config, resolved.full)
+        reason, problem = "stale", (f"a {state.status} run with other parameters "
+                                    f"({'; '.join(diffs)})" if diffs else None)
+    if problem:
+        if replace == "never":
+            raise RunConflict(
+                f"{out} already holds {problem}; nothing was changed. To run these parameters, "
+                "use another run directory (another `out` for a sweep), or --force to replace "
+                f"the old run (it is moved aside to {out.name}.old-<time>, not deleted)", reason)
+        return "replace", state
+    if replace == "always":
+        return "replace", state
+    return ("done" if state.status in runlock.FINISHED else "execute"), state
+
+
+def _skipped(run_id: str, out: Path, state: runlock.RunState) -> RunResult:
+    record = state.record or {}
+    return RunResult(run_id, out, out / OUTPUT_NOTEBOOK, record.get("status", state.status),
+                     record.get("error"), {}, 0.0, skipped=True)
+
+
 def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | None = None,
             threads: int | None = None, env: Mapping[str, str | None] | None = None,
-            record: bool = True, timeout: float | None = None,
-            log_output: bool = False) -> RunResult:
+            record: bool = True, timeout: float | None = None, log_output: bool = False,
+            replace: str = "never", spec: NotebookSpec | None = None) -> RunResult:
     """Execute ``notebook`` with ``params`` into ``out_dir``; see the module docstring.
 
     ``out_dir`` is passed as the ``out_dir`` parameter when the notebook
     declares one (and may not be given in ``params``). ``threads`` (default:
-    ``params["threads"]`` when positive) sets OMP/MKL/OpenBLAS thread counts
-    for the kernel, and ``env`` sets (None: unsets) its environment variables.
-    ``record=False`` leaves record.json alone (reports).
-    Raises ParameterError/NotebookError before running; a failing notebook
-    does not raise but returns status ``failed``.
+    ``params["threads"]`` when positive) sets OMP/MKL/OpenBLAS/Numba thread
+    counts for the kernel, and ``env`` sets (None: unsets) its environment.
+
+    Parameters are checked first (ParameterError/ConfigError/NotebookError,
+    nothing created). With ``record`` (a run, not a report) the run directory
+    is then decided from its record.json: a run finished with the same config
+    is not executed again (``skipped``); one with other parameters raises
+    RunConflict unless ``replace`` is "conflicting" or "always" (the old run is
+    moved aside); a directory another process works in raises RunLocked.
+    Otherwise the run is executed holding the directory's lock (exported to the
+    kernel as ``LAB_RUN_LOCK``). A failing notebook does not raise but returns
+    status ``failed``.
     """
+    if replace not in REPLACE:
+        raise ValueError(f"execute: replace={replace!r}; allowed: {', '.join(REPLACE)}")
     notebook = Path(notebook)
     out = Path(out_dir).resolve()
-    params = dict(params or {})
-    declared = declared_parameters(notebook)
-    check_parameters(notebook, params, declared)
-    if "out_dir" in params:
-        raise ParameterError(f"out_dir={params['out_dir']!r} was given as a parameter; the run "
-                             f"directory is set by execute's out_dir ({out})")
-    if "out_dir" in declared:
-        params["out_dir"] = str(out)
+    spec = notebook_spec(notebook) if spec is None else spec
+    resolved = resolve_parameters(notebook, params, spec)
+    injected = dict(resolved.params)
+    if "out_dir" in spec.declared:
+        injected["out_dir"] = str(out)
     run_id = run_id or out.name
-    if threads is None and isinstance(params.get("threads"), int):
-        threads = params["threads"] or None
+    if threads is None and isinstance(injected.get("threads"), int):
+        threads = injected["threads"] or None
     ensure_kernel()
-    out.mkdir(parents=True, exist_ok=True)
+    if not record:
+        out.mkdir(parents=True, exist_ok=True)
+        return _execute(notebook, out, injected, resolved, run_id, threads, env, None,
+                        timeout, log_output)
+    decision, state = decide(out, resolved, replace)
+    if decision == "done":
+        return _skipped(run_id, out, state)
+    moved = runlock.move_aside(out) if decision == "replace" else None
+    with runlock.acquire(out):
+        # Decided again under the lock: another process may have finished it meanwhile.
+        decision, state = decide(out, resolved, "never", locked=True)
+        if decision == "done":
+            return _skipped(run_id, out, state)
+        env = {**(env or {}), runlock.ENV: str(out)}  # the trainer's hold() is then a no-op
+        result = _execute(notebook, out, injected, resolved, run_id, threads, env, moved,
+                          timeout, log_output, record=True)
+    return result
+
+
+def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_id: str,
+             threads: int | None, env, moved: Path | None, timeout: float | None,
+             log_output: bool, record: bool = False) -> RunResult:
     target = out / OUTPUT_NOTEBOOK
     start, started = time.perf_counter(), time.time()
     with _kernel_env(threads, env):
-        error = _papermill(notebook, target, params, timeout, log_output)
+        error = _papermill(notebook, target, injected, timeout, log_output)
     if not target.exists():  # papermill failed before writing anything
         import nbformat
 
@@ -396,26 +725,12 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     values = read_values(target)
     status = "failed" if error else "complete"
     if record:
-        status, error = _settle_record(out, run_id, params, values, error, started)
-    meta = {"run_id": run_id, "source": str(notebook.resolve()), "params": params,
+        status, error = _settle_record(out, run_id, resolved.config, values, error, started)
+    meta = {"run_id": run_id, "source": str(notebook.resolve()), "params": injected,
             "status": status, "error": error}
     _finish_notebook(target, meta)
     return RunResult(run_id, out, target, status, error, records.decode_nonfinite(values),
-                     time.perf_counter() - start)
-
-
-def finished(run_dir) -> dict | None:
-    """metadata.lab of the run's executed notebook once :func:`execute` finished it."""
-    import nbformat
-
-    path = Path(run_dir) / OUTPUT_NOTEBOOK
-    if not path.is_file():
-        return None
-    try:
-        meta = nbformat.read(path, as_version=4).metadata.get("lab")
-    except Exception:  # a notebook cut short mid-write by a kill is not finished
-        return None
-    return dict(meta) if meta and "status" in meta else None
+                     time.perf_counter() - start, moved_aside=moved)
 
 
 def render_html(executed_notebook, html_path) -> Path:
@@ -430,7 +745,10 @@ def render_html(executed_notebook, html_path) -> Path:
 
 
 __all__ = [
-    "RECORD_MIME", "NotebookError", "ParameterError", "RunResult", "check_parameters",
-    "config_from", "declared_parameters", "ensure_kernel", "execute", "finished", "mark_failed",
-    "notebook_defaults", "read_values", "record_value", "render_html",
+    "RECORD_MIME", "NotebookError", "NotebookSpec", "ParameterError", "Resolved",
+    "RunConflict", "RunResult", "apply_params", "check_parameters", "config_class",
+    "config_differences", "config_from", "declared_parameters", "decide", "ensure_kernel",
+    "execute",
+    "failing_cell", "mark_failed", "notebook_defaults", "notebook_spec", "read_values",
+    "record_value", "render_html", "resolve_parameters",
 ]

@@ -11,12 +11,18 @@ a live run (``running``, pid) from an interrupted one (the record says
 A parent that holds the lock for a child doing the work (the sweep holds it
 while the notebook kernel trains) exports ``LAB_RUN_LOCK=<absolute run dir>``
 to the child; :func:`hold` in the child then does not try to lock again.
+
+:func:`inspect` tells what a run directory holds from its record.json (the
+single source of a run's status) and its lock, without writing anything;
+:func:`move_aside` keeps an old run under a new name instead of deleting it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -113,3 +119,62 @@ def hold(run_dir):
         yield lock
     finally:
         lock.release()
+
+
+# ---------------------------------------------------------------------------
+# a run's state, read without touching the run
+
+
+FINISHED = ("complete", "diverged")  # a run that must never be modified by a later attempt
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run directory holds, decided from record.json and the lock alone.
+
+    ``status``: missing (no record) | running (a live process holds the lock;
+    ``pid``) | interrupted (the record says running, nobody holds the lock:
+    resumable) | complete | diverged | failed (the record's status) |
+    unreadable (``error`` says why).
+    """
+
+    status: str
+    pid: int | None = None
+    record: dict | None = None
+    error: str | None = None
+
+
+def inspect(run_dir, *, locked: bool = False) -> RunState:
+    """The state of ``run_dir``; reads only, never creates anything. ``locked``:
+    the caller holds the lock itself (so it is not asked who does)."""
+    from . import records  # numpy/pandas: only when a record is read
+
+    run_dir = Path(run_dir)
+    pid = holder(run_dir) if run_dir.is_dir() and not locked else None
+    if pid is not None:
+        return RunState("running", pid)
+    if not (run_dir / records.RECORD_FILE).exists():
+        return RunState("missing")
+    try:
+        record = records.load_record(run_dir, rows=False)  # status and config only
+    except (records.RecordError, OSError) as err:
+        return RunState("unreadable", error=str(err))
+    status = "interrupted" if record["status"] == "running" else record["status"]
+    return RunState(status, record=record)
+
+
+def move_aside(run_dir) -> Path:
+    """Rename ``run_dir`` to ``<name>.old-<UTC time>`` beside it (never deletes);
+    RunLocked if a live process works in it. Returns the new path."""
+    run_dir = Path(run_dir).resolve()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+    with acquire(run_dir):
+        # The held lock file moves with the directory, so nobody starts in it meanwhile.
+        run_dir.rename(target)
+        (target / PID_FILE).unlink(missing_ok=True)
+    return target

@@ -10,31 +10,38 @@ A protocol (``protocols/*.yaml``) names a notebook and a grid::
     threads_per_run: 0                    # optional: 0 = usable cores // workers
     fixed: {dataset: mnist1d, epochs: 30}
     grid:                                 # every combination is one run
-      rule: [bp]
+      rule: [kp]
+      rule_params.traffic_rule: [raw, matched]   # a dotted key: one key inside a dict
       seed: [0, 1]
 
 Relative paths are relative to the protocol file, so a protocol means the same
 from any working directory. Every ``fixed`` and ``grid`` key must be a
-parameter the notebook declares; ``out_dir`` is the sweep's to set.
+parameter the notebook declares (for a dotted key, its first part);
+``out_dir`` is the sweep's to set. When the notebook names its config class
+(``metadata["lab_config"]``), every run of the grid is built into it at load,
+so a bad value or an unknown dotted key is refused before any kernel starts.
 
 :func:`expand` turns the grid into runs with stable, readable ids
-(``rule-bp_seed-0``: sorted grid keys). :func:`run_sweep` skips runs that are
-finished, executes the rest with :func:`lab.notebook.execute`, one Dask task
-per run, and records failures without stopping the others. A run is finished
-only when its record says ``complete`` *and* its executed notebook carries the
-outcome that ``execute`` writes last, so a run killed anywhere before the end
-is executed again (and ``train_conv`` resumes it from its checkpoint).
+(``rule-kp_rule_params.traffic_rule-raw_seed-0``: sorted grid keys).
+:func:`run_sweep` decides each run from its record.json, the single source of
+a run's status (:func:`lab.notebook.decide`): a run finished with the
+protocol's resolved config (defaults filled in, display-only fields aside) is
+kept; one finished with another config is reported ``stale`` with each
+differing field (``--force`` moves it aside and runs it afresh); a run another
+process holds (``lab.runlock``) is reported ``locked`` and left alone; the
+rest are executed with :func:`lab.notebook.execute`, one Dask task per run,
+and an interrupted run resumes from its checkpoint. Each task decides again
+under the run's lock, so two sweeps of one protocol execute each run once in
+total. A failing run is recorded and the others go on.
 
 Dask: a ``LocalCluster`` of single-threaded worker processes by default, or
 ``Client(address)`` for a cluster (a shared file system for ``out`` is then
 assumed, and workers should run with ``--nthreads 1``); the same code path
-either way. Each run's kernel gets ``threads_per_run`` threads (OMP/MKL
+either way. Each run's kernel gets ``threads_per_run`` threads (OMP/MKL/Numba
 variables, and the notebook's ``threads`` parameter when it declares one), so
 runs do not oversubscribe the cores. The thread count is part of a run's
 config (sums may round differently), so a protocol meant to reproduce across
 machines sets ``threads_per_run`` rather than relying on the core count.
-A finished run whose parameters differ from the protocol's now is reported
-as failed ("stale") rather than silently kept or overwritten.
 
 Dask starts local workers with ``spawn``: a script calling :func:`run_sweep`
 needs the ``if __name__ == "__main__":`` guard (the CLI has it).
@@ -62,7 +69,6 @@ from . import records
 from .config import ConfigError, bounded, field_names, validate
 
 SEED_KEY = "seed"
-RESERVED = ("out_dir",)  # parameters a sweep sets itself
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
 
@@ -107,7 +113,9 @@ class Protocol:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(both)} are both fixed and in "
                                 "the grid; keep each in one place")
         self._check_overrides()
-        reserved = sorted(set(RESERVED) & (set(self.grid) | set(self.fixed)))
+        from .notebook import RESERVED  # parameters a sweep sets itself
+
+        reserved = sorted(set(RESERVED) & {k.split(".")[0] for k in [*self.grid, *self.fixed]})
         if reserved:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(reserved)} are set by the "
                                 "sweep (each run's directory under `out`); remove them")
@@ -198,8 +206,10 @@ def _build(data: dict, path: Path) -> Protocol:
         raise ProtocolError(f"protocol {path}: {err}") from None
 
 
-def _check_notebook(protocol: Protocol) -> None:
-    from .notebook import NotebookError, ParameterError, check_parameters
+def _check_notebook(protocol: Protocol, configs: bool = True):
+    """The notebook's NotebookSpec (without its config class unless ``configs``),
+    once its file and parameter names are checked."""
+    from .notebook import NotebookError, ParameterError, check_parameters, notebook_spec
 
     notebook = Path(protocol.notebook)
     if not notebook.is_file():
@@ -208,20 +218,50 @@ def _check_notebook(protocol: Protocol) -> None:
         raise ProtocolError(f"protocol {protocol.source}: notebook {notebook} does not exist; "
                             f"notebooks in {notebook.parent}: {', '.join(near) or 'none'}")
     try:
+        spec = notebook_spec(notebook, with_class=configs)
         overridden = {k: v for table in protocol.overrides.values() for params in
                       table.values() for k, v in params.items()}
-        check_parameters(notebook, {**protocol.fixed, **overridden, **protocol.grid})
+        check_parameters(notebook, {**protocol.fixed, **overridden, **protocol.grid},
+                         spec.declared)
     except (NotebookError, ParameterError) as err:
         raise ProtocolError(f"protocol {protocol.source}: {err}") from None
+    return spec
 
 
-def load_protocol(path) -> Protocol:
-    """Read and validate a protocol: its keys, its notebook and its parameters,
-    and that its grid gives distinct run ids. Each problem is a ProtocolError."""
+def _check_runs(protocol: Protocol, spec) -> None:
+    """Build every run's config before any kernel starts; one error lists each
+    distinct problem with the runs it affects."""
+    from .notebook import resolve_parameters
+
+    problems: dict[str, list[str]] = {}
+    specs = expand(protocol)
+    for run in specs:
+        try:
+            resolve_parameters(protocol.notebook, run.params, spec)
+        except ConfigError as err:
+            problems.setdefault(str(err), []).append(run.run_id)
+    if problems:
+        n = sum(map(len, problems.values()))
+        listed = "; ".join(f"{message} (run{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
+                           for message, ids in problems.items())
+        raise ProtocolError(f"protocol {protocol.source}: {n} of {len(specs)} runs have "
+                            f"parameters the notebook refuses, so none was started: {listed}")
+
+
+def load_protocol(path, *, configs: bool = True) -> Protocol:
+    """Read and validate a protocol: its keys, its notebook, its parameters (every
+    run's, built into the notebook's config class when it names one) and that
+    its grid gives distinct run ids. Each problem is a ProtocolError.
+
+    ``configs=False`` skips building the configs (and importing the config
+    class, hence torch): for analyses of runs already made.
+    """
     path = Path(path).resolve()
     protocol = _build(_read_yaml(path), path)
-    _check_notebook(protocol)
+    spec = _check_notebook(protocol, configs)
     expand(protocol)  # duplicate run ids are a protocol error, found now
+    if configs:
+        _check_runs(protocol, spec)
     return protocol
 
 
@@ -262,42 +302,12 @@ def expand(protocol: Protocol) -> list[RunSpec]:
 
 
 # ---------------------------------------------------------------------------
-# run state
-
-
-def run_state(run_dir, params: dict | None = None) -> str:
-    """missing | running | failed | diverged | unfinished | stale | complete.
-
-    ``unfinished``: the record says complete but the notebook never finished
-    (killed in its last cells). ``stale``: finished, with other parameters
-    than ``params`` (the protocol changed since).
-    """
-    from .notebook import finished
-
-    run_dir = Path(run_dir)
-    if not (run_dir / records.RECORD_FILE).exists():
-        return "missing"
-    try:
-        status = records.load_record(run_dir)["status"]
-    except records.RecordError:
-        return "failed"
-    if status != "complete":
-        return status
-    meta = finished(run_dir)
-    if meta is None or meta.get("status") != "complete":
-        return "unfinished"
-    if params is not None and _differences(meta.get("params", {}), params):
-        return "stale"
-    return "complete"
-
-
-def _differences(then: dict, now: dict) -> list[str]:
-    return [f"{key}: {then.get(key)!r} there vs {now[key]!r} now"
-            for key in sorted(now) if then.get(key) != now[key]]
-
-
-# ---------------------------------------------------------------------------
 # the sweep
+
+# How a run of a sweep ended: complete | diverged | failed (executed or kept), stale
+# (finished with other parameters), unreadable (its record cannot be read), locked
+# (another process works in it). The last three were left untouched.
+LEFT_ALONE = ("stale", "unreadable", "locked")
 
 
 @dataclass
@@ -305,10 +315,11 @@ class RunOutcome:
     """How one run of a sweep ended (plain data: it travels back from Dask workers)."""
 
     run_id: str
-    status: str  # complete | diverged | failed
+    status: str  # complete | diverged | failed | stale | unreadable | locked
     error: str | None = None
-    skipped: bool = False  # not executed this time (already complete, or stale)
+    skipped: bool = False  # not executed this time (already finished, or left alone)
     wall_s: float = 0.0
+    moved_aside: str | None = None  # where --force kept the run it replaced
 
 
 @dataclass
@@ -325,6 +336,11 @@ class SweepReport:
         return [o for o in self.outcomes if o.status == "failed"]
 
     @property
+    def left_alone(self) -> list[RunOutcome]:
+        """Runs this sweep could not execute: stale, unreadable or locked."""
+        return [o for o in self.outcomes if o.status in LEFT_ALONE]
+
+    @property
     def executed(self) -> list[RunOutcome]:
         return [o for o in self.outcomes if not o.skipped]
 
@@ -335,11 +351,16 @@ class SweepReport:
                             columns=[f.name for f in dataclasses.fields(RunOutcome)])
 
     def summary(self) -> str:
-        kept = sum(o.skipped and o.status == "complete" for o in self.outcomes)
+        kept = sum(o.skipped and o.status in ("complete", "diverged") for o in self.outcomes)
+        count = Counter(o.status for o in self.left_alone)
         lines = [f"{self.protocol}: {len(self.outcomes)} runs, {len(self.executed)} executed, "
-                 f"{kept} already complete, "
+                 f"{kept} already finished, {count['locked']} locked by another process, "
+                 f"{count['stale'] + count['unreadable']} left alone (stale or unreadable), "
                  f"{len(self.failed)} failed in {self.wall_s:.1f} s; runs in {self.out}"]
-        lines += [f"  FAILED {o.run_id}: {o.error}" for o in self.failed]
+        lines += [f"  {o.status.upper()} {o.run_id}: {o.error}"
+                  for o in self.outcomes if o.status in ("failed", *LEFT_ALONE)]
+        lines += [f"  replaced {o.run_id}: the old run is kept in {o.moved_aside}"
+                  for o in self.outcomes if o.moved_aside]
         return "\n".join(lines)
 
 
@@ -369,23 +390,35 @@ def kernel_env() -> dict[str, str | None]:
     return {key: _ENV_AT_IMPORT.get(key) for key in keys if key not in THREAD_VARS}
 
 
-def _execute_run(notebook: str, run_dir: str, run_id: str, params: dict,
-                 threads: int, env: dict) -> dict:
-    """One Dask task: execute one run's notebook; never raises for a failed run."""
-    from .notebook import execute
+def _left_alone(run_id: str, err: Exception) -> RunOutcome:
+    from .notebook import RunConflict
+    from .runlock import RunLocked
+
+    if isinstance(err, RunLocked):
+        return RunOutcome(run_id, "locked", str(err), skipped=True)
+    status = err.reason if isinstance(err, RunConflict) else "unreadable"
+    return RunOutcome(run_id, status, str(err), skipped=True)
+
+
+def _execute_run(notebook: str, run_dir: str, run_id: str, params: dict, threads: int,
+                 env: dict, replace: str, spec) -> dict:
+    """One Dask task: decide under the run's lock, then execute; never raises for a run."""
+    from .notebook import RunConflict, execute
+    from .runlock import RunLocked
 
     start = time.perf_counter()
     try:
-        result = execute(notebook, run_dir, params, run_id=run_id, threads=threads,
-                         env=env)
-    except ConfigError as err:  # refused before running (e.g. a parameter error)
-        from .notebook import mark_failed
-
-        mark_failed(run_dir, run_id, params, f"{type(err).__name__}: {err}")
+        result = execute(notebook, run_dir, params, run_id=run_id, threads=threads, env=env,
+                         replace=replace, spec=spec)
+    except (RunLocked, RunConflict) as err:  # the run changed hands since the plan
+        return dataclasses.asdict(_left_alone(run_id, err))
+    except (ConfigError, OSError) as err:  # refused before running; nothing was written
         return dataclasses.asdict(RunOutcome(run_id, "failed", f"{type(err).__name__}: {err}",
-                                             wall_s=time.perf_counter() - start))
+                                             skipped=True, wall_s=time.perf_counter() - start))
+    moved = str(result.moved_aside) if result.moved_aside else None
     return dataclasses.asdict(RunOutcome(run_id, result.status, result.error,
-                                         wall_s=result.wall_s))
+                                         skipped=result.skipped, wall_s=result.wall_s,
+                                         moved_aside=moved))
 
 
 @contextlib.contextmanager
@@ -397,10 +430,12 @@ def _client(scheduler: str | None, workers: int):
             yield client
         return
     # One single-threaded worker process per concurrent run: each runs one
-    # notebook at a time, and its kernel's threads are set per run.
+    # notebook at a time, and its kernel's threads are set per run. No dashboard;
+    # the scheduler's own HTTP server takes any free port, so two sweeps at once
+    # never warn "Port 8787 is already in use".
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
-            Client(cluster) as client:
+                      dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
+                      silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
         yield client
 
 
@@ -411,68 +446,100 @@ def _run_params(spec: RunSpec, declared: dict, threads: int) -> dict:
     return params
 
 
-def plan(protocol: Protocol) -> tuple[list[RunSpec], dict[str, str]]:
-    """The protocol's runs and each one's current state (see :func:`run_state`)."""
+def _threads(protocol: Protocol, n_workers: int) -> int:
+    return protocol.threads_per_run or max(1, usable_cores() // n_workers)
+
+
+def plan(protocol: Protocol, threads: int | None = None, *, force: bool = False,
+         nb=None) -> tuple[list[RunSpec], dict[str, RunOutcome | None]]:
+    """The protocol's runs, and for each the outcome of leaving it alone (None:
+    it must execute), decided from its record.json and lock only.
+
+    ``threads``: the per-run thread count (part of the config; default: as a
+    local sweep with the protocol's workers would set it). ``force``: stale and
+    unreadable runs are to be replaced, so they execute.
+    """
+    from .notebook import RunConflict, decide, notebook_spec, resolve_parameters
+    from .runlock import RunLocked
+
+    nb = notebook_spec(protocol.notebook) if nb is None else nb
+    threads = _threads(protocol, protocol.workers) if threads is None else threads
     specs = expand(protocol)
     out = Path(protocol.out)
-    return specs, {s.run_id: run_state(out / s.run_id, s.params) for s in specs}
-
-
-def _not_to_run(spec: RunSpec, state: str, out: Path) -> RunOutcome | None:
-    """The outcome of a run the sweep leaves alone, or None if it must execute."""
-    if state == "complete":
-        return RunOutcome(spec.run_id, "complete", skipped=True)
-    if state == "stale":
-        # Rerunning over a finished run of other parameters would mix two
-        # configurations in one directory (and its checkpoint refuses anyway).
-        from .notebook import finished
-
-        then = (finished(out / spec.run_id) or {}).get("params", {})
-        return RunOutcome(spec.run_id, "failed", skipped=True, error=(
-            f"finished earlier with other parameters ({'; '.join(_differences(then, spec.params))}"
-            f"); delete {out / spec.run_id} to run it again"))
-    return None
+    outcomes: dict[str, RunOutcome | None] = {}
+    for spec in specs:
+        resolved = resolve_parameters(protocol.notebook,
+                                      _run_params(spec, nb.declared, threads), nb)
+        try:
+            decision, state = decide(out / spec.run_id, resolved,
+                                     "conflicting" if force else "never")
+        except (RunLocked, RunConflict) as err:
+            outcomes[spec.run_id] = _left_alone(spec.run_id, err)
+            continue
+        outcomes[spec.run_id] = RunOutcome(spec.run_id, state.status, skipped=True) \
+            if decision == "done" else None
+    return specs, outcomes
 
 
 def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | None = None, *,
-              progress: bool = True) -> SweepReport:
-    """Execute every unfinished run of ``protocol``; see the module docstring."""
+              progress: bool = True, force: bool = False) -> SweepReport:
+    """Execute every unfinished run of ``protocol``; see the module docstring.
+
+    ``force``: runs finished with other parameters (stale) or with an unreadable
+    record are moved aside (``<run>.old-<time>``) and run afresh.
+    """
     from tqdm import tqdm
 
-    from .notebook import declared_parameters
+    from .notebook import notebook_spec
 
     start = time.perf_counter()
-    specs, states = plan(protocol)
-    out = Path(protocol.out)
-    outcomes = {}
-    for spec in specs:
-        outcome = _not_to_run(spec, states[spec.run_id], out)
-        if outcome is not None:
-            outcomes[spec.run_id] = outcome
-    todo = [spec for spec in specs if spec.run_id not in outcomes]
-    if todo:
-        workers = workers or protocol.workers
-        declared = declared_parameters(protocol.notebook)
-        env = kernel_env()  # before a LocalCluster's nannies edit os.environ
-        with _client(scheduler, workers) as client:
-            n_workers = len(client.scheduler_info().get("workers", {})) or workers
-            threads = protocol.threads_per_run or max(1, usable_cores() // n_workers)
+    nb = notebook_spec(protocol.notebook)
+    workers = workers or protocol.workers
+    env = kernel_env()  # before a LocalCluster's nannies edit os.environ
+    with contextlib.ExitStack() as stack:
+        client = None
+        if scheduler:  # the cluster's worker count sets the default threads per run
+            client = stack.enter_context(_client(scheduler, workers))
+            workers = len(client.scheduler_info().get("workers", {})) or workers
+        threads = _threads(protocol, workers)
+        specs, outcomes = plan(protocol, threads, force=force, nb=nb)
+        todo = [spec for spec in specs if outcomes[spec.run_id] is None]
+        if todo:
+            client = client or stack.enter_context(_client(None, workers))
+            out = Path(protocol.out)
+            replace = "conflicting" if force else "never"
             futures = {}
             for spec in todo:
                 future = client.submit(
                     _execute_run, protocol.notebook, str(out / spec.run_id), spec.run_id,
-                    _run_params(spec, declared, threads), threads, env,
+                    _run_params(spec, nb.declared, threads), threads, env, replace, nb,
                     key=f"{spec.run_id}-{uuid.uuid4().hex[:8]}", pure=False)
                 futures[future] = spec
             outcomes.update(_collect(futures, out, protocol.name, progress, tqdm))
-    return SweepReport(protocol.name, str(out), [outcomes[s.run_id] for s in specs],
+    return SweepReport(protocol.name, protocol.out, [outcomes[s.run_id] for s in specs],
                        time.perf_counter() - start)
+
+
+def _record_lost_worker(out: Path, spec: RunSpec, error: str) -> RunOutcome:
+    """A worker died (KilledWorker) or the task broke: mark the run's record
+    failed, unless another process has taken the run over meanwhile. A run that
+    wrote no record yet stays without one (it is simply executed next time)."""
+    from .notebook import mark_failed
+    from .runlock import RunLocked, acquire
+
+    run_dir = out / spec.run_id
+    if not (run_dir / records.RECORD_FILE).exists():
+        return RunOutcome(spec.run_id, "failed", error)
+    try:
+        with acquire(run_dir):
+            mark_failed(run_dir, spec.run_id, spec.params, error)
+    except RunLocked as err:
+        return RunOutcome(spec.run_id, "locked", f"{error}; then {err}", skipped=True)
+    return RunOutcome(spec.run_id, "failed", error)
 
 
 def _collect(futures: dict, out: Path, name: str, progress: bool, tqdm) -> dict:
     from distributed import as_completed
-
-    from .notebook import mark_failed
 
     outcomes = {}
     bar = tqdm(total=len(futures), desc=name, unit="run", disable=not progress)
@@ -481,13 +548,11 @@ def _collect(futures: dict, out: Path, name: str, progress: bool, tqdm) -> dict:
         try:
             outcome = RunOutcome(**future.result())
         except Exception as err:  # the worker died (KilledWorker) or the task broke
-            error = f"{type(err).__name__}: {err}"
-            mark_failed(out / spec.run_id, spec.run_id, spec.params, error)
-            outcome = RunOutcome(spec.run_id, "failed", error)
+            outcome = _record_lost_worker(out, spec, f"{type(err).__name__}: {err}")
         outcomes[spec.run_id] = outcome
         bar.update()
         bar.set_postfix(failed=sum(o.status == "failed" for o in outcomes.values()))
-        if outcome.status == "failed":
-            bar.write(f"FAILED {spec.run_id}: {outcome.error}")
+        if outcome.status in ("failed", *LEFT_ALONE):
+            bar.write(f"{outcome.status.upper()} {spec.run_id}: {outcome.error}")
     bar.close()
     return outcomes

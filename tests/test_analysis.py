@@ -50,17 +50,17 @@ def fixture_copy(tmp_path):
 
 
 def _edit(run_dir: Path, change):
-    record = records.load_record(run_dir)
+    record = records.load_record(run_dir)  # rows come along under "trajectory"
     change(record)
-    records.write_json_atomic(run_dir / "record.json", record)
-    (run_dir / "metrics.parquet").unlink(missing_ok=True)
+    records.save_run(run_dir, record)  # ... and replace the row store
 
 
 def test_fixture_protocol_loads_complete():
     data = load_protocol_runs(FIXTURE / "protocol.yaml")
     assert data.expected_ids == ["lr-0.05_rule-bp_seed-0", "lr-0.05_rule-bp_seed-1",
                                  "lr-0.2_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1"]
-    assert data.n_epochs == dict.fromkeys(data.expected_ids, 4)
+    assert set(data.runs["n_rows"]) == {4}
+    assert all(e["axis"] == "epoch" and e["count"] == 4 for e in data.runs["expect"])
     assert data.group_keys == ["lr", "rule"]
     data.check_complete(TRAJECTORY, FINAL)
     table = data.table()
@@ -86,10 +86,9 @@ def test_every_gap_is_listed_in_one_error(fixture_copy):
     assert problems == [
         "1 of 4 runs missing: lr-0.05_rule-bp_seed-1",
         "lr-0.05_rule-bp_seed-0: status 'running', not 'complete'",
-        "lr-0.05_rule-bp_seed-0: epochs 2-3 missing (has 2 of 4)",
-        "lr-0.2_rule-bp_seed-0: trajectory field 'train_loss' is non-finite (inf, nan) at "
-        "epochs 1, 3",
-        "lr-0.2_rule-bp_seed-0: trajectory field 'val_acc' missing at epochs 2",
+        "lr-0.05_rule-bp_seed-0: epochs 2-3 missing (has 2 of 4 rows)",
+        "lr-0.2_rule-bp_seed-0: field 'train_loss' is non-finite (inf, nan) at epochs 1, 3",
+        "lr-0.2_rule-bp_seed-0: field 'val_acc' missing at epochs 2",
         "lr-0.2_rule-bp_seed-0: final field 'test_acc' missing",
         "lr-0.2_rule-bp_seed-1: final field 'test_loss' is non-finite (nan)",
     ]
@@ -106,21 +105,27 @@ def test_missing_runs_directory_lists_every_run(fixture_copy):
 
 
 def test_check_complete_is_generic():
-    # An MT-1-like trajectory: any fields, epochs per run, runs outside the protocol ignored.
+    # An MT-1-like trajectory: any fields, each run's own declaration, others ignored.
     rows = [(rid, "epoch", e, m, 1.0) for rid, n in (("a", 3), ("b", 5), ("z", 1))
             for e in range(n) for m in ("traffic_rms", "innovation_rms")]
     rows += [(rid, "final", -1, "loss", 0.5) for rid in ("a", "b")]
     metrics = pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS))
+
+    def expect(count):
+        return {"axis": "epoch", "count": count, "stride": 1, "metrics": ["traffic_rms"],
+                "periodic": [], "final": ["loss"]}
+
     runs = pd.DataFrame({"run_id": ["a", "b", "z"], "status": ["complete"] * 3,
-                         "error": [None] * 3})
-    check_complete(runs, metrics, ["a", "b"], {"a": 3, "b": 5}, ["traffic_rms"], ["loss"])
+                         "error": [None] * 3, "expect": [expect(3), expect(5), expect(9)]})
+    check_complete(runs, metrics, ["a", "b"])
+    runs["expect"] = [expect(4), expect(4), expect(9)]
     with pytest.raises(IncompleteProtocolError) as err:
-        check_complete(runs, metrics, ["a", "b"], 4, ["traffic_rms", "used_rms"], ["loss"])
+        check_complete(runs, metrics, ["a", "b"], ["used_rms"], ["loss"])
     assert err.value.problems == [
-        "a: epochs 3 missing (has 3 of 4)",
-        "a: trajectory field 'used_rms' missing at epochs 0-2",
-        "b: epochs 4 beyond the expected 4 (the run's config differs from the protocol's)",
-        "b: trajectory field 'used_rms' missing at epochs 0-3",
+        "a: epochs 3 missing (has 3 of 4 rows)",
+        "a: field 'used_rms' missing at epochs 0-2",
+        "b: epochs 4 beyond the declared 4 rows of stride 1",
+        "b: field 'used_rms' missing at epochs 0-3",
     ]
 
 
@@ -219,3 +224,90 @@ def test_report_renders_html(tmp_path, capsys):
     # The fixture protocol names no report notebook: without --notebook that is an error.
     assert cli_main(["report", str(FIXTURE / "protocol.yaml"), "--out", str(reports)]) == 2
     assert "names no report notebook" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# any grid key: dotted keys, dict values, step rows
+
+
+ECHO = ROOT / "tests" / "fixtures" / "notebooks" / "echo.ipynb"
+
+
+def test_a_dotted_grid_key_runs_and_summaries_group_by_it(tmp_path):
+    import yaml
+
+    from lab.sweep import load_protocol, run_sweep
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "dotted", "notebook": str(ECHO), "out": "runs", "threads_per_run": 1,
+        "fixed": {"opts": {"scale": 1, "label": "kept"}},
+        "grid": {"opts.scale": [2, 3], "x": [1, 2]}}))
+    report = run_sweep(load_protocol(path), workers=2, progress=False)
+    assert [(o.run_id, o.status) for o in report.outcomes] == [
+        ("opts.scale-2_x-1", "complete"), ("opts.scale-2_x-2", "complete"),
+        ("opts.scale-3_x-1", "complete"), ("opts.scale-3_x-2", "complete")]
+    # An old run moved aside beside it (same run id) is not part of the protocol.
+    kept = tmp_path / "runs" / "opts.scale-2_x-1.old-20200101T000000Z"
+    shutil.copytree(tmp_path / "runs" / "opts.scale-2_x-1", kept)
+    _edit(kept, lambda r: r["final"].update(scaled=1e6))
+
+    data = load_protocol_runs(path)
+    assert data.group_keys == ["opts.scale", "x"]
+    assert len(data.runs) == 4
+    table = data.table()
+    assert list(table["opts.scale"]) == [2, 2, 3, 3]
+    summary = summarize(table, ["opts.scale"], ["final.scaled"])
+    # The oracle: each run's own record, grouped by the value its config holds.
+    by_scale: dict = {}
+    for run_dir in sorted((tmp_path / "runs").glob("opts.scale-?_x-?")):
+        record = records.load_record(run_dir)
+        assert record["config"]["opts"] == {"scale": record["config"]["opts"]["scale"],
+                                            "label": "kept"}
+        by_scale.setdefault(record["config"]["opts"]["scale"], []).append(
+            record["final"]["scaled"])
+    assert list(summary["opts.scale"]) == sorted(by_scale)
+    for scale, mean, std in zip(summary["opts.scale"], summary["final.scaled/mean"],
+                                summary["final.scaled/std"]):
+        assert mean == pytest.approx(statistics.mean(by_scale[scale]), abs=1e-12)
+        assert std == pytest.approx(statistics.stdev(by_scale[scale]), abs=1e-12)
+    assert by_scale == {2: [2, 4], 3: [3, 6]}  # scaled = opts.scale * x, recorded by the kernel
+
+
+def test_dict_grid_values_are_flattened_to_columns(tmp_path):
+    from analysis.load import ProtocolRuns
+    from lab.sweep import Protocol, expand
+
+    protocol = Protocol(name="t", notebook="nb", out=str(tmp_path), grid={
+        "rule_params": [{"scale": 0.5, "mode": "raw"}, {"scale": 1.0, "mode": "raw"}],
+        "dims": [[1, 2]], "seed": [0, 1]})
+    specs = expand(protocol)
+    data = ProtocolRuns(protocol, specs, tmp_path, pd.DataFrame(
+        columns=list(records.RUN_COLUMNS)), records.tidy_metrics({"run_id": "none"}))
+    assert data.group_keys == ["dims", "rule_params.mode", "rule_params.scale"]
+    table = data.table().assign(**{"final.acc": [0.1, 0.3, 0.5, 0.9]})
+    summary = summarize(table, data.group_keys, ["final.acc"])
+    assert list(summary["rule_params.scale"]) == [0.5, 1.0]
+    assert list(summary["dims"]) == [(1, 2), (1, 2)]
+    assert list(summary["final.acc/mean"]) == pytest.approx([0.2, 0.7], abs=1e-12)
+
+
+def test_curves_follow_the_step_axis(tmp_path):
+    rows = [(rid, "step", step, "loss", value) for rid, scale in (("a", 1.0), ("b", 3.0))
+            for step, value in ((0, 2.0 * scale), (10, 1.0 * scale), (20, 0.5 * scale))]
+    metrics = pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS))
+    table = pd.DataFrame({"run_id": ["a", "b"], "rule": ["kp", "kp"]})
+    bands = curve_bands(metrics, table, ["rule"], "loss")
+    assert list(bands.columns) == ["group", "step", "mean", "std", "n"]
+    assert list(bands["step"]) == [0, 10, 20]
+    assert list(bands["mean"]) == pytest.approx([4.0, 2.0, 1.0], abs=1e-12)
+    assert list(bands["std"]) == pytest.approx([statistics.stdev([2.0, 6.0]),
+                                                statistics.stdev([1.0, 3.0]),
+                                                statistics.stdev([0.5, 1.5])], abs=1e-12)
+    fig = learning_curves(metrics, table, ["rule"], ["loss"])
+    assert fig.get_axes()[0].get_xlabel() == "step"
+    assert list(fig.get_axes()[0].lines[0].get_xdata()) == [0, 10, 20]
+    single = run_curves([{"step": s, "loss": v} for s, v in ((0, 2.0), (5, 1.0))],
+                        fields=(("loss",),))
+    assert single.get_axes()[0].get_xlabel() == "step"
+    assert list(single.get_axes()[0].lines[0].get_ydata()) == [2.0, 1.0]

@@ -161,8 +161,11 @@ def test_n_train_keeps_first_examples(data_dir, name):
     assert torch.equal(small.val.x, full.val.x) and torch.equal(small.test.x, full.test.x)
 
 
-def test_n_train_above_available_keeps_all(data_dir):
-    ds = load_dataset("cifar10", data_dir=data_dir, val_fraction=0, n_train=10**6)
+def test_n_train_above_available_is_refused(data_dir):
+    with pytest.raises(DataError, match=rf"n_train=1000000 but cifar10 has only {5 * N_FAKE} "
+                                        "training examples"):
+        load_dataset("cifar10", data_dir=data_dir, val_fraction=0, n_train=10**6)
+    ds = load_dataset("cifar10", data_dir=data_dir, val_fraction=0, n_train=5 * N_FAKE)
     assert len(ds.train) == 5 * N_FAKE
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +14,28 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lab import records
+import lab.notebook
+from lab import records, runlock
 from lab.cli import main as cli_main
-from lab.config import describe, field_names
+from lab.config import ConfigError, describe, field_names
 from lab.notebook import (
     RECORD_MIME,
     NotebookError,
     ParameterError,
+    RunConflict,
+    apply_params,
+    config_differences,
     declared_parameters,
     ensure_kernel,
     execute,
+    mark_failed,
     notebook_defaults,
     read_values,
     record_value,
     render_html,
+    resolve_parameters,
 )
+from lab.rules import RULES
 from lab.train import ConvConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +50,21 @@ def _outputs(path, output_type):
     return [o for cell in nb.cells for o in cell.get("outputs", []) if o.output_type == output_type]
 
 
+def _files(run_dir: Path) -> dict:
+    """name -> (bytes, mtime_ns) of every file in a run directory: what 'unchanged' means."""
+    return {p.relative_to(run_dir).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Fail the test if anything tries to start papermill (a kernel)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was started")
+
+    monkeypatch.setattr(lab.notebook, "_papermill", refuse)
+
+
 def test_values_are_recorded_read_back_and_mirrored(tmp_path):
     result = execute(ECHO, tmp_path / "run", {"x": 3}, threads=1)
     assert result.status == "complete" and result.error is None
@@ -52,7 +76,9 @@ def test_values_are_recorded_read_back_and_mirrored(tmp_path):
     assert set(result.values) == set(values) and result.values["twice"] == 6
     # The kernel is this interpreter, whatever python is first on PATH.
     assert os.path.samefile(values["executable"], sys.executable)
-    assert values["omp_threads"] == "1"
+    assert values["omp_threads"] == values["numba_threads"] == "1"
+    # The kernel knows its run directory is locked for it (the trainer's hold() is a no-op).
+    assert values["run_lock"] == str((tmp_path / "run").resolve())
     # Mirrored into metadata: still readable once outputs are stripped.
     nb = nbformat.read(result.notebook, as_version=4)
     assert nb.metadata["lab"]["values"]["twice"] == 6
@@ -65,12 +91,26 @@ def test_values_are_recorded_read_back_and_mirrored(tmp_path):
 
 
 def test_a_notebook_without_a_record_gets_a_complete_one(tmp_path):
-    execute(ECHO, tmp_path / "run", {"x": 2})
+    old = os.umask(0o022)
+    try:
+        execute(ECHO, tmp_path / "run", {"x": 2})
+    finally:
+        os.umask(old)
+    # Run files follow the user's umask (a private 0600 temp file is not renamed into place).
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run").rglob("*")
+             if p.is_file()}
+    assert modes and set(modes.values()) == {0o644}, modes
     record = records.load_record(tmp_path / "run")
     assert record["status"] == "complete" and record["kind"] == "notebook"
     assert record["run_id"] == "run"
-    # Finite numeric values become the final metrics; NaN and text do not.
-    assert record["final"] == {"x": 102, "twice": 4}
+    # Numeric values (NaN included: a result, kept) become the final metrics; text does not.
+    final = record["final"]
+    assert math.isnan(final.pop("nan"))
+    assert final == {"x": 102, "twice": 4, "scaled": 2, "nested": {"list": [1, 2.5],
+                                                                    "none": None}}
+    # The record holds the resolved parameters: the notebook's defaults filled in.
+    assert record["config"] == {"x": 2, "fail_on": -1, "write_record": False,
+                                "opts": {"scale": 1, "label": "a"}}
 
 
 def test_unknown_parameter_is_refused_before_running(tmp_path):
@@ -78,10 +118,12 @@ def test_unknown_parameter_is_refused_before_running(tmp_path):
         execute(ECHO, tmp_path / "run", {"x": 1, "learning_rate": 0.1})
     message = str(err.value)
     assert "'learning_rate'" in message
-    assert "declared: x, fail_on, write_record, out_dir" in message
+    # out_dir is declared but refused as a parameter, so it is not offered.
+    assert message.endswith("declared: x, fail_on, write_record, opts")
     assert not (tmp_path / "run").exists()
     with pytest.raises(ParameterError, match="out_dir='elsewhere' was given as a parameter"):
         execute(ECHO, tmp_path / "run", {"out_dir": "elsewhere"})
+    assert not (tmp_path / "run").exists()
     with pytest.raises(NotebookError, match="does not exist"):
         execute(tmp_path / "nope.ipynb", tmp_path / "run", {})
 
@@ -90,6 +132,13 @@ def test_failing_cell_before_any_record(tmp_path):
     result = execute(ECHO, tmp_path / "run", {"x": 3, "fail_on": 3})
     assert result.status == "failed" and not result.ok
     assert "ValueError: asked to fail at x=3" in result.error
+    # The cell is named by its position in the source notebook (papermill's index
+    # counts the parameters cell it injects) and its first line is quoted.
+    source = nbformat.read(ECHO, as_version=4).cells
+    position = next(i for i, c in enumerate(source, 1) if "raise ValueError" in c.source)
+    first = source[position - 1].source.splitlines()[0]
+    assert f"(in cell {position} of echo.ipynb, counting every cell from 1, which starts " \
+           f"`{first}`)" in result.error
     record = records.load_record(tmp_path / "run")
     assert record["status"] == "failed" and record["error"] == result.error
     assert record["config"]["x"] == 3 and record["kind"] == "notebook"
@@ -105,9 +154,124 @@ def test_failing_cell_after_the_record_keeps_it(tmp_path):
     assert result.status == record["status"] == "failed"
     assert record["kind"] == "echo" and record["trajectory"] == [{"epoch": 0, "loss": 1.0}]
     assert "asked to fail at x=3" in record["error"]
-    # A later successful attempt in the same directory replaces the failure.
-    assert execute(ECHO, tmp_path / "run", {"x": 4}).status == "complete"
-    assert records.load_record(tmp_path / "run")["status"] == "complete"
+    # A later attempt with the same parameters resumes in the same directory.
+    again = execute(ECHO, tmp_path / "run", {"x": 3, "fail_on": 3, "write_record": True})
+    assert again.status == "failed" and not again.skipped
+
+
+def _data_files(run_dir: Path) -> dict:
+    return {k: v for k, v in _files(run_dir).items()
+            if k not in (runlock.LOCK_FILE, runlock.PID_FILE)}
+
+
+def test_a_finished_run_is_never_modified_by_a_refused_attempt(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    assert execute(ECHO, run, {"x": 1}).status == "complete"
+    created = records.load_record(run)["created"]
+    before = _files(run)
+    with monkeypatch.context() as patch:
+        patch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel started"))
+        # The same parameters, spelled with explicit defaults: nothing to do.
+        same = execute(ECHO, run, {"x": 1, "fail_on": -1, "opts.scale": 1})
+        assert same.skipped and same.status == "complete"
+        # Other parameters: refused, naming each difference and what to do.
+        with pytest.raises(RunConflict) as err:
+            execute(ECHO, run, {"x": 2, "opts.label": "b"})
+        message = str(err.value)
+        assert "already holds a complete run with other parameters (opts: {'scale': 1, " \
+               "'label': 'a'} there vs {'scale': 1, 'label': 'b'} now; x: 1 there vs 2 now)" \
+               in message
+        assert "nothing was changed" in message and "--force" in message
+        assert _files(run) == before
+    # Replacing moves the old run aside, intact, and runs afresh.
+    fresh = execute(ECHO, run, {"x": 2}, replace="conflicting")
+    assert fresh.status == "complete" and fresh.moved_aside.name.startswith("run.old-")
+    assert fresh.moved_aside.parent == tmp_path
+    assert _data_files(fresh.moved_aside) == {k: v for k, v in before.items()
+                                              if k not in (runlock.LOCK_FILE, runlock.PID_FILE)}
+    assert records.load_record(run)["config"]["x"] == 2
+    assert records.load_record(fresh.moved_aside)["created"] == created
+
+
+def test_created_survives_refinalisation(tmp_path):
+    run = tmp_path / "run"
+    record = records.new_record(run_id="run", kind="echo", config={"x": 1})
+    record["created"] = "2020-01-02T03:04:05+00:00"
+    records.save_run(run, record)
+    mark_failed(run, "run", {"x": 1}, "a worker died")
+    again = records.load_record(run)
+    assert again["status"] == "failed" and again["error"] == "a worker died"
+    assert again["created"] == "2020-01-02T03:04:05+00:00"
+    assert again["updated"] != again["created"]
+    # A notebook that writes no record: its re-execution keeps the first attempt's time.
+    assert execute(ECHO, tmp_path / "e", {"x": 1, "fail_on": 1}).status == "failed"
+    first = records.load_record(tmp_path / "e")["created"]
+    record = records.load_record(tmp_path / "e")
+    record["created"] = first = "2021-01-01T00:00:00+00:00"
+    records.save_run(tmp_path / "e", record)
+    execute(ECHO, tmp_path / "e", {"x": 1, "fail_on": 1})
+    assert records.load_record(tmp_path / "e")["created"] == first
+
+
+# ---------------------------------------------------------------------------
+# parameters checked against the notebook's config class before any kernel starts
+
+
+def test_parameters_are_built_into_the_config_class(tmp_path, no_kernel):
+    resolved = resolve_parameters(TRAIN, {"epochs": 3, "rule": "kp",
+                                          "rule_params.feedback_scale": 0.5})
+    # The oracle: ConvConfig built from the notebook's defaults and the same values.
+    defaults = {k: v for k, v in notebook_defaults(TRAIN).items() if k != "out_dir"}
+    expected = ConvConfig(**{**defaults, "epochs": 3, "rule": "kp",
+                             "rule_params": {"feedback_scale": 0.5}})
+    assert resolved.full and resolved.config == json.loads(json.dumps(
+        dataclasses.asdict(expected)))
+    assert resolved.params == {"epochs": 3, "rule": "kp", "rule_params": {"feedback_scale": 0.5}}
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"epochs": -3}, r"ConvConfig.epochs=-3 is out of range; allowed: \[1, inf\]"),
+    ({"rule": "nosuch"}, r"ConvConfig.rule='nosuch' is unknown; known rules: bp, "),
+    ({"lr": "abc"}, r"ConvConfig.lr must be float, got 'abc' \(str\)"),
+    ({"lr.x": 1}, r"lr.x=1 sets a key inside lr, but lr is 0.1 \(float\), not a dict"),
+    ({"nosuch": 1}, r"does not declare parameter\(s\) 'nosuch'"),
+])
+def test_bad_values_never_reach_a_kernel(tmp_path, no_kernel, capsys, params, message):
+    with pytest.raises(ConfigError, match=message):
+        execute(TRAIN, tmp_path / "run", params)
+    (key, value), = params.items()
+    assert cli_main(["run", str(TRAIN), "--out", str(tmp_path / "run"), "-p", key,
+                     str(value)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1  # one paragraph
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_dotted_key_lists_the_allowed_names(tmp_path, no_kernel):
+    allowed = field_names(RULES["kp"].Params)
+    with pytest.raises(ConfigError) as err:
+        execute(TRAIN, tmp_path / "run", {"rule": "kp", "rule_params.nosuch": 1})
+    message = str(err.value)
+    assert "'nosuch'" in message and "(given by rule_params.nosuch)" in message
+    assert all(name in message for name in allowed), (allowed, message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_apply_params_sets_one_key_inside_a_dict():
+    base = {"opts": {"scale": 1, "label": "a"}, "x": 1}
+    out = apply_params(base, {"opts.scale": 3, "x": 2, "deep.a.b": 1})
+    assert out == {"opts": {"scale": 3, "label": "a"}, "x": 2, "deep": {"a": {"b": 1}}}
+    assert base == {"opts": {"scale": 1, "label": "a"}, "x": 1}  # not changed
+    # A whole dict, then a dotted key inside it.
+    assert apply_params(base, {"opts": {"k": 0}, "opts.scale": 2}) == \
+        {"opts": {"k": 0, "scale": 2}, "x": 1}
+
+
+def test_config_differences_ignore_display_only_fields():
+    assert config_differences({"a": 1, "progress": True}, {"a": 1, "progress": False}) == []
+    assert config_differences({"a": 1}, {"a": 1.0, "b": 2}) == ["b: (absent) there vs 2 now"]
+    assert config_differences({"a": 1}, {"a": 1, "b": 2}, full=False) == []
+    assert config_differences({"t": (1, 2)}, {"t": [1, 2]}) == []
 
 
 def test_record_value_outside_a_kernel(capsys):
@@ -180,10 +344,26 @@ def test_training_notebook_defaults_are_the_config_defaults_at_smoke_size():
     assert defaults["out_dir"] == "."
 
 
-def test_training_notebook_with_injected_small_parameters(tiny, tmp_path):
+def test_training_notebook_names_its_config_class():
+    assert lab.notebook.config_class(TRAIN) is ConvConfig
+
+
+def test_training_notebook_with_injected_small_parameters(tiny, tmp_path, capsys):
     params = {**tiny, "epochs": 2, "seed": 1, "threads": 1}
     result = execute(TRAIN, tmp_path / "bp-s1", params)
     assert result.status == "complete", result.error
+    # Fault 1: the same run with another epoch count is refused and changes nothing;
+    # toggling the display-only progress flag is the same run.
+    before = _files(tmp_path / "bp-s1")
+    args = ["run", str(TRAIN), "--out", str(tmp_path / "bp-s1")]
+    args += [a for k, v in params.items() for a in ("-p", k, str(v)) if k != "epochs"]
+    assert cli_main([*args, "-p", "epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a complete run with other parameters (epochs: 2 there vs 3 now)" \
+        in err and "--force" in err
+    assert cli_main([*args, "-p", "epochs", "2", "-p", "progress", "true"]) == 0
+    assert "already complete with these parameters; nothing to do" in capsys.readouterr().out
+    assert _files(tmp_path / "bp-s1") == before
     record = records.load_record(tmp_path / "bp-s1")
     assert record["run_id"] == "bp-s1" and record["kind"] == "conv"
     assert {k: record["config"][k] for k in params} == params

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,14 +13,14 @@ import time
 import uuid
 from pathlib import Path
 
-import nbformat
 import pytest
 import yaml
 
-from lab import records
+import lab.notebook
+from lab import records, runlock
 from lab.cli import main as cli_main
 from lab.cli import runs_table
-from lab.config import field_names
+from lab.config import field_names, from_dict
 from lab.notebook import notebook_defaults, read_values
 from lab.sweep import (
     Protocol,
@@ -28,13 +30,13 @@ from lab.sweep import (
     load_protocol,
     plan,
     run_id_for,
-    run_state,
     run_sweep,
 )
-from lab.train import ConvConfig
+from lab.train import ConvConfig, train_conv
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO = ROOT / "tests" / "fixtures" / "notebooks" / "echo.ipynb"
+SLOW = ROOT / "tests" / "fixtures" / "notebooks" / "slow.ipynb"
 TRAIN = ROOT / "notebooks" / "01-train-conv.ipynb"
 
 
@@ -54,7 +56,7 @@ def write_protocol(path: Path, **fields) -> Path:
      r"notebook .*missing.ipynb does not exist; notebooks in .*: none"),
     ({"fixed": {"learning_rate": 0.1}},
      r"does not declare parameter\(s\) 'learning_rate'; declared: x, fail_on, write_record, "
-     r"out_dir"),
+     r"opts$"),
     ({"grid": {"x": [1], "y": [2]}}, r"does not declare parameter\(s\) 'y'"),
     ({"grid": {}}, r"Protocol.grid is empty"),
     ({"grid": {"x": []}}, r"grid values must be non-empty lists; got x: \[\]"),
@@ -69,6 +71,11 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"grid": {"x": ["a b", "a-b"]}}, r"duplicate run ids: x-a-b"),
     ({"fixed": {"x": 1}}, r"x are both fixed and in the grid"),
     ({"fixed": {"out_dir": "/tmp"}}, r"out_dir are set by the sweep"),
+    ({"grid": {"out_dir.x": [1]}}, r"out_dir are set by the sweep"),
+    ({"grid": {"nope.scale": [1]}}, r"does not declare parameter\(s\) 'nope.scale'"),
+    ({"grid": {"x.scale": [1]}}, r"1 of 1 runs have parameters the notebook refuses, so none "
+     r"was started: x.scale=1 sets a key inside x, but x is 1"
+     r" \(int\), not a dict"),
     ({"colour": "red"}, r"unknown key\(s\) colour; allowed: name, notebook, out, grid, fixed"),
     ({"workers": 0}, r"Protocol.workers=0 is out of range"),
     ({"name": "a/b"}, r"Protocol.name='a/b' is not allowed"),
@@ -136,44 +143,112 @@ def test_demo_protocol():
 @pytest.mark.parametrize("path", sorted((ROOT / "protocols").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_shipped_protocol_builds_valid_configs(path):
+    protocol = load_protocol(path)  # builds every run's config through the notebook's class
+    spec = lab.notebook.notebook_spec(protocol.notebook)
+    assert spec.config_class is not None, f"{protocol.notebook} names no lab_config class"
+    for run in expand(protocol):
+        assert lab.notebook.resolve_parameters(protocol.notebook, run.params, spec).full
+
+
+def test_a_dotted_grid_key_gets_readable_ids_and_sets_one_key(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", fixed={"opts": {"scale": 1, "label": "z"}},
+                          grid={"opts.scale": [2, 3], "x": [1]})
     protocol = load_protocol(path)
-    defaults = notebook_defaults(protocol.notebook)
-    for spec in expand(protocol):
-        params = {**defaults, **spec.params}
-        ConvConfig(**{name: params[name] for name in field_names(ConvConfig)})
+    specs = expand(protocol)
+    assert [s.run_id for s in specs] == ["opts.scale-2_x-1", "opts.scale-3_x-1"]
+    assert specs[0].grid == {"opts.scale": 2, "x": 1}
+    resolved = lab.notebook.resolve_parameters(protocol.notebook, specs[1].params)
+    assert resolved.params["opts"] == {"scale": 3, "label": "z"}  # the other key is kept
+
+
+def test_grid_values_are_built_into_the_config_class_at_load(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel"))
+    bad = write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN), out="runs",
+                         fixed={"epochs": 1}, grid={"lr": ["fast", 0.1], "seed": [0, 1]})
+    with pytest.raises(ProtocolError, match=r"2 of 4 runs have parameters the notebook refuses, "
+                       r"so none was started: ConvConfig.lr must be float, got 'fast' \(str\) "
+                       r"\(runs lr-fast_seed-0, lr-fast_seed-1\)"):
+        load_protocol(bad)
+    assert cli_main(["sweep", str(bad), "-q"]) == 2
+    assert "ConvConfig.lr must be float" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    unknown = write_protocol(tmp_path / "q.yaml", notebook=str(TRAIN), fixed={"rule": "kp"},
+                             grid={"rule_params.nosuch": [1], "seed": [0]})
+    with pytest.raises(ProtocolError) as err:
+        load_protocol(unknown)
+    from lab.rules import RULES
+    assert "'nosuch'" in str(err.value)
+    assert all(name in str(err.value) for name in field_names(RULES["kp"].Params))
 
 
 # ---------------------------------------------------------------------------
-# run state
+# deciding from record.json alone
 
 
-def _fake_run(run_dir: Path, status: str, finished: str | None, params=None):
-    record = records.new_record(run_id=run_dir.name, kind="notebook", config={})
+def _fake_run(run_dir: Path, status: str, config: dict):
+    record = records.new_record(run_id=run_dir.name, kind="notebook", config=config)
     record["status"] = status
     records.save_run(run_dir, record)
-    if finished is not None:
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["lab"] = {"status": finished, "params": params or {}}
-        nbformat.write(nb, str(run_dir / "notebook.ipynb"))
 
 
-def test_run_state(tmp_path):
-    assert run_state(tmp_path / "none") == "missing"
-    _fake_run(tmp_path / "a", "running", None)
-    assert run_state(tmp_path / "a") == "running"
-    # The record says complete, but the notebook never finished: not complete.
-    _fake_run(tmp_path / "b", "complete", None)
-    assert run_state(tmp_path / "b") == "unfinished"
-    (tmp_path / "b" / "notebook.ipynb").write_text('{"cells": [')  # cut short by a kill
-    assert run_state(tmp_path / "b") == "unfinished"
-    _fake_run(tmp_path / "c", "complete", "complete", {"x": 1, "out_dir": "c"})
-    assert run_state(tmp_path / "c", {"x": 1}) == "complete"
-    assert run_state(tmp_path / "c", {"x": 2}) == "stale"
-    _fake_run(tmp_path / "d", "failed", "failed")
-    assert run_state(tmp_path / "d") == "failed"
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "record.json").write_text("{half")
-    assert run_state(tmp_path / "e") == "failed"
+def _conv_config(**values) -> dict:
+    """The oracle for a resolved conv config: ConvConfig from the notebook's defaults."""
+    defaults = {k: v for k, v in notebook_defaults(TRAIN).items() if k != "out_dir"}
+    return json.loads(json.dumps(dataclasses.asdict(ConvConfig(**{**defaults, **values}))))
+
+
+def _states(protocol) -> dict:
+    return {rid: (o.status if o else "execute") for rid, o in plan(protocol, 1)[1].items()}
+
+
+def test_protocol_changes_are_compared_on_resolved_configs(tmp_path, monkeypatch):
+    monkeypatch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel"))
+    runs = tmp_path / "runs"
+    _fake_run(runs / "seed-0", "complete", _conv_config(epochs=4, threads=1, seed=0))
+
+    def protocol(**fixed):
+        return load_protocol(write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN),
+                                            fixed=fixed, grid={"seed": [0, 1]},
+                                            threads_per_run=1))
+
+    # The protocol it was run with; and with an explicit default (lr 0.1) or another
+    # progress flag (display only): the same runs.
+    for same in ({"epochs": 4}, {"epochs": 4, "lr": 0.1}, {"epochs": 4, "progress": True}):
+        assert _states(protocol(**same)) == {"seed-0": "complete", "seed-1": "execute"}
+    # epochs removed: the notebook's default (2) applies, so the run is stale.
+    report = plan(protocol(), 1)[1]["seed-0"]
+    assert report.status == "stale" and report.skipped
+    assert "complete run with other parameters (epochs: 4 there vs 2 now)" in report.error
+    assert "--force" in report.error
+    assert _states(protocol(epochs=4, lr=0.2))["seed-0"] == "stale"
+
+
+def test_plan_reports_locked_interrupted_and_unreadable_runs(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", grid={"x": [1, 2, 3, 4]}, threads_per_run=1)
+    protocol = load_protocol(path)
+    runs = tmp_path / "runs"
+    config = lab.notebook.resolve_parameters(ECHO, {"x": 1}).config
+    _fake_run(runs / "x-1", "complete", config)
+    _fake_run(runs / "x-2", "running", {**config, "x": 2})  # killed: resumes
+    (runs / "x-3").mkdir()
+    (runs / "x-3" / "record.json").write_text("{half")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab import runlock; "
+                               "lock = runlock.acquire(sys.argv[1]); print('held', flush=True); "
+                               "time.sleep(600)", str(runs / "x-4")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        outcomes = plan(protocol, 1)[1]
+        assert outcomes["x-1"].status == "complete" and outcomes["x-1"].skipped
+        assert outcomes["x-2"] is None
+        assert outcomes["x-3"].status == "unreadable" and "not valid JSON" in outcomes["x-3"].error
+        assert outcomes["x-4"].status == "locked" and str(holder.pid) in outcomes["x-4"].error
+        # --force replaces the unreadable run; the live one is never touched.
+        forced = plan(protocol, 1, force=True)[1]
+        assert forced["x-3"] is None and forced["x-4"].status == "locked"
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 # ---------------------------------------------------------------------------
@@ -183,9 +258,12 @@ def test_run_state(tmp_path):
 def test_failing_run_is_reported_and_the_others_finish(tmp_path, capsys):
     path = write_protocol(tmp_path / "p.yaml", grid={"x": [1, 2, 3]}, fixed={"fail_on": 2})
     assert cli_main(["sweep", str(path), "--workers", "2", "-q"]) == 1
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "FAILED x-2: ValueError: asked to fail at x=2" in out
-    assert "3 runs, 3 executed, 0 already complete, 1 failed" in out
+    assert "3 runs, 3 executed, 0 already finished, 0 locked by another process, 0 left alone " \
+           "(stale or unreadable), 1 failed" in out
+    assert "Port 8787" not in captured.err + out  # no dashboard
     runs = tmp_path / "runs"
     assert records.load_record(runs / "x-1")["status"] == "complete"
     assert records.load_record(runs / "x-3")["status"] == "complete"
@@ -193,7 +271,8 @@ def test_failing_run_is_reported_and_the_others_finish(tmp_path, capsys):
     assert failed["status"] == "failed" and "asked to fail at x=2" in failed["error"]
     assert (runs / "x-2" / "notebook.ipynb").exists()
     # Listed by `lab runs`, with the error.
-    table = runs_table(runs)
+    table, unreadable = runs_table(runs)
+    assert not unreadable
     assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "failed",
                                                      "x-3": "complete"}
     assert "asked to fail" in table.set_index("run_id").loc["x-2", "error"]
@@ -213,16 +292,24 @@ def test_sweep_on_a_scheduler_address_and_resume_skips_finished_runs(tmp_path):
         assert meta["metadata"]["lab"]["params"]["x"] == 1
         # The kernel gets the run's thread count, not the Dask nanny's malloc tuning.
         values = read_values(tmp_path / "runs" / "x-1" / "notebook.ipynb")
-        assert values["omp_threads"] == "1"
+        assert values["omp_threads"] == values["numba_threads"] == "1"
         assert values["malloc_trim"] == kernel_env()["MALLOC_TRIM_THRESHOLD_"] != "65536"
         again = run_sweep(protocol, scheduler=cluster.scheduler_address, progress=False)
     assert all(o.skipped for o in again.outcomes) and not again.failed
-    # A changed protocol does not silently reuse runs made with other parameters.
+    # A changed protocol does not silently reuse runs made with other parameters...
     changed = load_protocol(write_protocol(tmp_path / "p.yaml", grid={"x": [1, 2]},
-                                           fixed={"fail_on": 7}))
+                                           fixed={"fail_on": 7}, threads_per_run=1))
+    before = (tmp_path / "runs" / "x-1" / "record.json").read_bytes()
     stale = run_sweep(changed, workers=1, progress=False)
-    assert [o.status for o in stale.outcomes] == ["failed", "failed"]
-    assert "fail_on: None there vs 7 now" in stale.outcomes[0].error
+    assert [o.status for o in stale.outcomes] == ["stale", "stale"]
+    assert "fail_on: -1 there vs 7 now" in stale.outcomes[0].error
+    assert (tmp_path / "runs" / "x-1" / "record.json").read_bytes() == before
+    # ...unless told to replace them: the old runs are kept beside the new ones.
+    forced = run_sweep(changed, workers=1, progress=False, force=True)
+    assert [o.status for o in forced.outcomes] == ["complete", "complete"]
+    kept = Path(forced.outcomes[0].moved_aside)
+    assert kept.name.startswith("x-1.old-") and (kept / "record.json").read_bytes() == before
+    assert records.load_record(tmp_path / "runs" / "x-1")["config"]["fail_on"] == 7
 
 
 def _marked_processes(marker: str) -> list[int]:
@@ -249,17 +336,17 @@ def _wait_until(predicate, timeout: float, what: str):
 
 def _values(run_dir: Path) -> str:
     record = records.without_timings(records.load_record(run_dir))
-    return json.dumps([record["trajectory"], record["final"]], sort_keys=True)
+    return json.dumps([record.get("trajectory"), record["final"]], sort_keys=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sigkill_mid_sweep_then_resume_equals_uninterrupted(tiny, tmp_path):
-    fixed = {**tiny, "epochs": 5}
-    grid = {"seed": [0, 1, 2, 3]}
+    # Two runs at once: the 1-epoch one finishes while the 40-epoch one is mid-way.
+    fixed = {key: value for key, value in tiny.items() if key != "epochs"}
+    grid = {"epochs": [1, 40]}
     killed = write_protocol(tmp_path / "killed.yaml", notebook=str(TRAIN), out="killed",
                             fixed=fixed, grid=grid, threads_per_run=1)
-    whole = write_protocol(tmp_path / "whole.yaml", notebook=str(TRAIN), out="whole",
-                           fixed=fixed, grid=grid, threads_per_run=1)
     protocol = load_protocol(killed)
     marker = f"LAB_TEST_SWEEP_{uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, "-m", "lab.cli", "sweep", str(killed), "-q",
@@ -267,35 +354,98 @@ def test_sigkill_mid_sweep_then_resume_equals_uninterrupted(tiny, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        _wait_until(lambda: "complete" in plan(protocol)[1].values() or proc.poll() is not None,
-                    180, "a first run to complete")
+        def one_done_one_training():
+            states = plan(protocol, 1)[1]
+            try:  # its record, not the lock: a notebook's last cells run after training
+                training = records.load_record(tmp_path / "killed" / "epochs-40",
+                                               rows=False)["status"] == "running"
+            except records.RecordError:
+                training = False
+            return proc.poll() is not None or (training and states["epochs-1"] is not None
+                                               and states["epochs-1"].status == "complete")
+
+        _wait_until(one_done_one_training, 180, "one run complete while the other trains")
         assert proc.poll() is None, "the sweep finished before it could be killed"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the CLI, the Dask scheduler and its workers
         proc.wait()
-    # Kernels run in their own sessions; they exit once their worker is gone.
-    _wait_until(lambda: not _marked_processes(marker), 30, "orphaned kernels to exit")
+    # Kernels die with their worker (PR_SET_PDEATHSIG): none outlives the kill.
+    _wait_until(lambda: not _marked_processes(marker), 2, "orphaned kernels to exit")
+    # A dying worker holds its run's lock until its files are closed, after its
+    # environment is gone: wait for that too, or a finished run reads as locked.
+    _wait_until(lambda: all(runlock.holder(tmp_path / "killed" / s.run_id) is None
+                            for s in expand(protocol)), 10, "the killed workers' locks")
 
-    states = plan(protocol)[1]
-    done = sorted(rid for rid, state in states.items() if state == "complete")
-    assert done and len(done) < len(states), states
-    before = {rid: ((tmp_path / "killed" / rid / "record.json").stat().st_mtime_ns,
-                    records.load_record(tmp_path / "killed" / rid)["created"])
-              for rid in done}
-
+    states = plan(protocol, 1)[1]
+    done = sorted(rid for rid, o in states.items() if o is not None and o.status == "complete")
+    assert done == ["epochs-1"], states
+    before = {rid: (tmp_path / "killed" / rid / "record.json").read_bytes() for rid in done}
     report = run_sweep(protocol, workers=2, progress=False)
-    assert not report.failed
-    assert sorted(o.run_id for o in report.outcomes if o.skipped) == done
-    after = {rid: ((tmp_path / "killed" / rid / "record.json").stat().st_mtime_ns,
-                   records.load_record(tmp_path / "killed" / rid)["created"])
-             for rid in done}
-    assert after == before, "runs finished before the kill were executed again"
+    assert not report.failed and not report.left_alone
+    assert sorted(o.run_id for o in report.outcomes if o.skipped) == done, (states, report)
+    after = {rid: (tmp_path / "killed" / rid / "record.json").read_bytes() for rid in done}
+    assert after == before, "runs finished before the kill were touched again"
 
-    reference = run_sweep(load_protocol(whole), workers=2, progress=False)
-    assert not reference.failed and not any(o.skipped for o in reference.outcomes)
+    # The reference: each run's resolved config trained uninterrupted, in this process.
     for spec in expand(protocol):
+        resolved = lab.notebook.resolve_parameters(TRAIN, {**spec.params, "threads": 1})
+        train_conv(from_dict(ConvConfig, resolved.config), tmp_path / "whole" / spec.run_id)
         assert _values(tmp_path / "killed" / spec.run_id) == \
             _values(tmp_path / "whole" / spec.run_id), spec.run_id
+
+
+def _trace(run_dir: Path) -> list[tuple[str, int, float]]:
+    lines = (run_dir / "trace.log").read_text().splitlines()
+    return [(event, int(pid), float(at)) for event, pid, at in map(str.split, lines)]
+
+
+def _sweep_process(path: Path, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lab.cli", "sweep", str(path), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
+@pytest.mark.slow
+def test_two_concurrent_sweeps_execute_each_run_once(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(SLOW), grid={"x": [1, 2, 3]},
+                          fixed={"ticks": 10}, workers=1, threads_per_run=1)
+    first, second = _sweep_process(path), _sweep_process(path)
+    outputs = [proc.communicate(timeout=240)[0] for proc in (first, second)]
+    executed = [int(re.search(r"(\d+) executed", out).group(1)) for out in outputs]
+    assert sum(executed) == 3, outputs
+    for run in ("x-1", "x-2", "x-3"):
+        trace = _trace(tmp_path / "runs" / run)
+        assert [e for e, _, _ in trace].count("start") == 1, (run, trace)
+        assert len({pid for _, pid, _ in trace}) == 1
+        assert records.load_record(tmp_path / "runs" / run)["status"] == "complete"
+    assert all("Port 8787" not in out for out in outputs)
+
+
+@pytest.mark.slow
+def test_a_sweep_restarted_after_sigkill_never_overlaps_the_old_kernels(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(SLOW), grid={"x": [1, 2]},
+                          fixed={"ticks": 40}, workers=2, threads_per_run=1)
+    runs = tmp_path / "runs"
+    first = _sweep_process(path)
+    _wait_until(lambda: all((runs / r / "trace.log").exists() and
+                            len(_trace(runs / r)) >= 3 for r in ("x-1", "x-2")),
+                120, "both runs to be writing")
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed_at = time.time()
+    second = _sweep_process(path)  # at once: its workers may take the runs immediately
+    out = second.communicate(timeout=240)[0]
+    assert second.returncode == 0, out
+    for run in ("x-1", "x-2"):
+        trace = _trace(runs / run)
+        pids = list(dict.fromkeys(pid for _, pid, _ in trace))
+        assert len(pids) == 2, trace  # killed once, executed again once
+        old_last = max(at for _, pid, at in trace if pid == pids[0])
+        new_first = min(at for _, pid, at in trace if pid == pids[1])
+        # The old kernel died with its worker: nothing written after the kill, so never
+        # while the restarted sweep's kernel was training.
+        assert old_last < killed_at < new_first, (run, old_last - killed_at)
+        assert [e for e, pid, _ in trace if pid == pids[1]][-1] == "end"
 
 
 def test_lab_runs_lists_a_protocol_with_missing_runs(tmp_path, capsys):
@@ -304,7 +454,10 @@ def test_lab_runs_lists_a_protocol_with_missing_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "lr-0.05_rule-bp_seed-0" in out and "test_acc" in out and "complete" in out
     path = write_protocol(tmp_path / "p.yaml", grid={"x": [1, 2]})
-    _fake_run(tmp_path / "runs" / "x-1", "complete", "complete")
-    table = runs_table(path)
+    config = lab.notebook.resolve_parameters(ECHO, {"x": 1}).config
+    _fake_run(tmp_path / "runs" / "x-1", "complete", config)
+    _fake_run(tmp_path / "runs" / "x-1.old-20200101T000000Z", "failed", config)  # moved aside
+    table, _ = runs_table(path)
     assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "missing"}
+    assert list(table["dir"]) == ["x-1", "x-2"]
     assert cli_main(["runs", str(tmp_path / "nowhere")]) == 2

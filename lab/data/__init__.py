@@ -104,7 +104,8 @@ def load_dataset(
         empty val split with the right trailing shape.
     split_seed: seeds the (local) permutation that picks the validation examples.
     n_train: if > 0, keep only the first n_train training examples after the split (for tiny
-        runs); a value above the number available keeps them all.
+        runs); a value above the number available is refused (DataError naming the count),
+        since a record saying n_train=100000 must not describe a run on 3,600 examples.
     """
     if name not in _SPECS:
         raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
@@ -119,6 +120,12 @@ def load_dataset(
     # per-channel mean/std, a negligible leak.)
     to_float = scale(x_train)
     train_idx, val_idx = _val_split(len(y_train), val_fraction, split_seed, name)
+    if n_train > len(train_idx):
+        raise DataError(
+            f"n_train={n_train} but {name} has only {len(train_idx)} training examples "
+            f"available (after holding out val_fraction={val_fraction} for validation); "
+            f"allowed: 0 (all of them) or 1 to {len(train_idx)}"
+        )
     if n_train > 0:
         train_idx = train_idx[:n_train]
 
