@@ -25,15 +25,17 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The demo protocols on a local Dask cluster, each followed by its report notebook
-# rendered to HTML under reports/ (the paths are printed): bp on MNIST-1D with
-# two seeds, then every learning rule x 3 seeds at demo size.
+# rendered to HTML under reports/ (the paths are printed): bp on MNIST-1D with two
+# seeds, every learning rule x 3 seeds at demo size, then one quick protocol per
+# system: MT-1 (kp_traffic), the EP transformer with its backprop twin, CfC with
+# the auxiliary path. Each full protocol is one `lab sweep` away (see README).
+DEMO_PROTOCOLS := demo rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick
 demo: $(STAMP)
-	$(VENV)/bin/lab sweep protocols/demo.yaml
-	$(VENV)/bin/lab runs protocols/demo.yaml
-	$(VENV)/bin/lab report protocols/demo.yaml
-	$(VENV)/bin/lab sweep protocols/rules-mnist1d-demo.yaml
-	$(VENV)/bin/lab runs protocols/rules-mnist1d-demo.yaml
-	$(VENV)/bin/lab report protocols/rules-mnist1d-demo.yaml
+	for p in $(DEMO_PROTOCOLS); do \
+	  $(VENV)/bin/lab sweep protocols/$$p.yaml && \
+	  $(VENV)/bin/lab runs protocols/$$p.yaml && \
+	  $(VENV)/bin/lab report protocols/$$p.yaml || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

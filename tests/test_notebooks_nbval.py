@@ -1,9 +1,10 @@
 """Every committed notebook: thin, numbered, output-free, and runs under ``pytest --nbval-lax``.
 
 nbval starts each kernel in the notebook's own directory, and the training
-notebook writes its run into ``out_dir = "."``; so the notebooks run from a
-copy in a temporary directory, beside a link to ``tests/`` that keeps their
-relative fixture paths valid.
+notebooks write their run into ``out_dir`` (``"."`` by default); so each
+notebook runs from a copy in its own temporary directory (two trainers' runs
+in one folder would be refused as different runs), beside a link to
+``tests/`` that keeps its relative fixture paths valid.
 """
 
 from __future__ import annotations
@@ -43,13 +44,22 @@ def test_notebook_is_committed_clean_and_thin(path):
 
 
 def test_notebooks_run_under_nbval(tmp_path):
-    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")
-    os.symlink(ROOT / "tests", tmp_path / "tests")
+    targets = []
+    for path in NOTEBOOKS:
+        home = tmp_path / path.stem
+        (home / "notebooks").mkdir(parents=True)
+        shutil.copy(path, home / "notebooks" / path.name)
+        os.symlink(ROOT / "tests", home / "tests")
+        targets.append(str(home / "notebooks" / path.name))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-         "--nbval-current-env", "--rootdir", str(tmp_path), str(tmp_path / "notebooks")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+         "--nbval-current-env", "--rootdir", str(tmp_path), *targets],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert re.search(r"\b\d+ passed\b", done.stdout) and "failed" not in done.stdout
-    # The training notebook left its run beside it.
-    assert (tmp_path / "notebooks" / "record.json").exists()
+    # The training notebooks left their runs: a complete record each.
+    from lab import records
+
+    for stem in ("01-train-conv", "02-train-ep-transformer", "03-train-cfc-aux"):
+        run = tmp_path / stem / "notebooks"
+        assert records.load_record(run)["status"] == "complete", stem
