@@ -156,14 +156,24 @@ def test_cuda_run(tiny):
     assert record["status"] == "complete" and record["environment"]["device"] == "cuda"
 
 
-STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert"]
+# Rules that calibrate on a prefix of the training set, sized for `tiny`'s 256 examples.
+TINY_RULE_PARAMS = {
+    "kp_traffic": {"traffic_calibration_examples": 128, "predictor_warmup_steps": 5,
+                   "predictor_batch": 64},
+    "sdil": {"traffic_calibration_examples": 128, "predictor_warmup_steps": 5,
+             "predictor_batch": 64, "a_warmup_steps": 2, "calibration_batch": 64},
+    "lhfa": {"warmup_steps": 2, "calibration_batch": 64},
+}
+
+
+STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert", "kp_traffic"]
 
 
 @pytest.mark.parametrize("rule", STATEFUL_RULES)
 def test_interrupted_rule_resumes_exactly(tiny, tmp_path, monkeypatch, rule):
     """A crash after epoch 2 and a resume give the uninterrupted record (rule state too)."""
     config = ConvConfig(**{**tiny, "epochs": 4, "alignment_every": 2, "alignment_batch": 32},
-                        rule=rule)
+                        rule=rule, rule_params=TINY_RULE_PARAMS.get(rule, {}))
     whole = train_conv(config, tmp_path / "whole")
     real = conv._train_epoch
 
@@ -184,7 +194,8 @@ def test_interrupted_rule_resumes_exactly(tiny, tmp_path, monkeypatch, rule):
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_alignment_and_tracking_trajectories_are_complete(tiny, rule):
     record = train_conv(ConvConfig(**{**tiny, "epochs": 2}, rule=rule, alignment_every=1,
-                                   alignment_batch=32))
+                                   alignment_batch=32,
+                                   rule_params=TINY_RULE_PARAMS.get(rule, {})))
     assert record["status"] == "complete"
     for row in record["trajectory"]:
         align = row["alignment"]
@@ -194,7 +205,7 @@ def test_alignment_and_tracking_trajectories_are_complete(tiny, rule):
             sum(align["update_cos"].values()) / len(align["update_cos"]), abs=1e-12)
         if rule == "bp":
             assert min(align["update_cos"].values()) > 1 - 1e-9
-        if rule in ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm"):
+        if rule in ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm", "kp_traffic", "lhfa"):
             tracking = row["rule"]["feedback"]
             cos = list(tracking["cos"].values())
             assert tracking["mean_cos"] == pytest.approx(sum(cos) / len(cos), abs=1e-12)
