@@ -12,13 +12,16 @@ pairs of rows; which thread runs a task never changes the arithmetic, so results
 are equal bit for bit run to run and for any ``NUMBA_NUM_THREADS``.
 
 Speed: inside a chunk the squares are summed in the input dtype (float32 lanes
-vectorise twice as wide as float64) with ``fastmath={"reassoc"}`` so the
-reduction vectorises; the reassociation order is fixed at compile time. The
-signals themselves (traffic, raw, innovation) are computed in ``_signals`` without
-fastmath. Innovation is formed as ``I + ((g*C - P)*h - b)``, equal to
-``R - (P*h + b)`` in real arithmetic, so an exact predictor (``P == g*C``,
-``b == 0``) gives innovation == instruction bit for bit, whatever the compiler
-fuses into FMAs (on the GPU too).
+vectorise twice as wide as float64) with ``fastmath={"reassoc", "contract"}``, so
+the reductions vectorise and each ``acc += x * x`` is one FMA; the order is fixed
+at compile time. ``_signals`` (traffic, raw, innovation) carries no fastmath flag
+of its own, but once inlined LLVM may contract its ``d*h - b`` into one FMA too
+(it does on x86-64): results stay within float rounding of the reference, and
+the exact-predictor property below survives either way. Innovation is formed as
+``I + ((g*C - P)*h - b)``, equal to ``R - (P*h + b)`` in real arithmetic, so an
+exact predictor (``P == g*C``, ``b == 0``) gives a correction of exactly zero
+(``0*h - 0``, fused or not) and innovation == instruction bit for bit (on the GPU
+too).
 """
 
 from __future__ import annotations
@@ -41,80 +44,81 @@ SERIAL_BELOW = 1 << 15
 
 
 @njit(cache=True)
-def _signals(i, hv, gc, p, bb):
-    # (traffic, raw, innovation) for one element, in the documented order.
+def _signals(i, hv, gc, d, bb):
+    # (traffic, raw, innovation) for one element, in the documented order; d = gC - P.
+    # An exact predictor (d == 0, b == 0) makes the correction exactly zero.
     t = gc * hv
     r = i + t
-    n = i + ((gc - p) * hv - bb)  # = R - (P h + b); exact zero correction when P == gC, b == 0
+    n = i + (d * hv - bb)  # = R - (P h + b)
     return t, r, n
 
 
 def _make_chunk(rule):
-    # One chunk of a pair of rows (1-D slices): writes the rows' ``out`` (raw R or
-    # innovation N; nothing in matched's first pass) and returns each row's sums of
-    # squares in the input dtype. Two rows share each load of gC, P, b, which halves
+    # One chunk of a pair of rows (1-D slices): writes the rows' ``out`` (innovation
+    # N, or raw R, which matched rescales in a second pass) and returns each row's sums
+    # of squares in the input dtype. Two rows share each load of gC, d, b, which halves
     # the per-unit traffic (it is as large as the rows' own once N outgrows L1). One
-    # compiled loop per rule with no branch inside, 1-D slices and a plain range loop:
-    # that is what lets LLVM vectorise the eight reductions.
-    @njit(cache=True, fastmath={"reassoc"})
-    def chunk(I0, h0, o0, I1, h1, o1, gC, P, b, zero):
+    # compiled loop per rule with no branch inside, 1-D slices, a plain range loop and
+    # the stores after every load: that is what lets LLVM vectorise the eight
+    # reductions. ``contract`` makes each ``acc += x * x`` one FMA (see the module
+    # docstring for what else it may fuse).
+    @njit(cache=True, fastmath={"reassoc", "contract"})
+    def chunk(I0, h0, o0, I1, h1, o1, gC, d, b, zero):
         a_i = a_t = a_r = a_n = zero  # row 0
         c_i = c_t = c_r = c_n = zero  # row 1
         for j in range(I0.size):
-            g, p, bb = gC[j], P[j], b[j]
-            t, r, n = _signals(I0[j], h0[j], g, p, bb)
-            if rule == RAW:
-                o0[j] = r
-            elif rule == INNOVATION:
-                o0[j] = n
-            a_i += I0[j] * I0[j]
-            a_t += t * t
-            a_r += r * r
-            a_n += n * n
-            t, r, n = _signals(I1[j], h1[j], g, p, bb)
-            if rule == RAW:
-                o1[j] = r
-            elif rule == INNOVATION:
-                o1[j] = n
-            c_i += I1[j] * I1[j]
-            c_t += t * t
-            c_r += r * r
-            c_n += n * n
+            g, dd, bb = gC[j], d[j], b[j]
+            i0, i1 = I0[j], I1[j]
+            t0, r0, n0 = _signals(i0, h0[j], g, dd, bb)
+            t1, r1, n1 = _signals(i1, h1[j], g, dd, bb)
+            a_i += i0 * i0
+            a_t += t0 * t0
+            a_r += r0 * r0
+            a_n += n0 * n0
+            c_i += i1 * i1
+            c_t += t1 * t1
+            c_r += r1 * r1
+            c_n += n1 * n1
+            if rule == INNOVATION:
+                o0[j] = n0
+                o1[j] = n1
+            else:
+                o0[j] = r0
+                o1[j] = r1
         return (a_i, a_t, a_r, a_n), (c_i, c_t, c_r, c_n)
 
     return chunk
 
 
-_chunk_raw, _chunk_innovation, _chunk_matched = (_make_chunk(r) for r in (RAW, INNOVATION, MATCHED))
+_chunk_raw, _chunk_innovation = _make_chunk(RAW), _make_chunk(INNOVATION)
 
 
 @njit(cache=True)
-def _pair_pass(I, h, gC, P, b, e0, e1, rule, out, rows, zero):
-    """Sums of squares of rows e0, e1 into ``rows``; writes their ``out`` unless matched.
+def _pair_pass(I, h, gC, d, b, e0, e1, rule, out, rows, zero):
+    """Sums of squares of rows e0, e1 into ``rows``; writes their ``out``.
 
     Each row has its own accumulators, so a row's sums do not depend on its partner's
     values; the last row of an odd batch is paired with itself (written twice, with
     equal values). Pairs are fixed by row index, never by thread.
     """
     N = I.shape[1]
-    s0 = np.zeros(4)
-    s1 = np.zeros(4)
+    s0 = s1 = (0.0, 0.0, 0.0, 0.0)  # float64 row sums, chunk partials added in chunk order
     for c in range((N + CHUNK - 1) // CHUNK):
         j0 = c * CHUNK
         j1 = min(j0 + CHUNK, N)
         args = (I[e0, j0:j1], h[e0, j0:j1], out[e0, j0:j1], I[e1, j0:j1], h[e1, j0:j1],
-                out[e1, j0:j1], gC[j0:j1], P[j0:j1], b[j0:j1], zero)
-        if rule == RAW:
-            x0, x1 = _chunk_raw(*args)
-        elif rule == INNOVATION:
+                out[e1, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+        if rule == INNOVATION:
             x0, x1 = _chunk_innovation(*args)
-        else:
-            x0, x1 = _chunk_matched(*args)
-        for q in range(4):  # chunk partials into the row's float64 sums, in chunk order
-            s0[q] += np.float64(x0[q])
-            s1[q] += np.float64(x1[q])
-    rows[e0] = s0
-    rows[e1] = s1
+        else:  # raw, and matched's first pass
+            x0, x1 = _chunk_raw(*args)
+        s0 = (s0[0] + np.float64(x0[0]), s0[1] + np.float64(x0[1]),
+              s0[2] + np.float64(x0[2]), s0[3] + np.float64(x0[3]))
+        s1 = (s1[0] + np.float64(x1[0]), s1[1] + np.float64(x1[1]),
+              s1[2] + np.float64(x1[2]), s1[3] + np.float64(x1[3]))
+    for q in range(4):
+        rows[e0, q] = s0[q]
+        rows[e1, q] = s1[q]
 
 
 @njit(cache=True)
@@ -126,22 +130,22 @@ def _matched_scale(rows, e):
 
 
 @njit(cache=True)
-def _row_scale(I, h, gC, s, out):
-    # Second pass of matched on one row (1-D): recompute raw (still in L1/L2) and rescale.
-    for j in range(I.size):
-        out[j] = (I[j] + gC[j] * h[j]) * s
+def _row_scale(o, s):
+    # Second pass of matched on one row (1-D, still in L1/L2): raw * (||N_e|| / ||R_e||).
+    for j in range(o.size):
+        o[j] *= s
 
 
 @njit(cache=True)
-def _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero):
+def _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero):
     # One task: rows 2*pair and 2*pair + 1 (the last row twice if the batch is odd).
     e0 = 2 * pair
     e1 = min(e0 + 1, I.shape[0] - 1)
-    _pair_pass(I, h, gC, P, b, e0, e1, rule, out, rows, zero)
+    _pair_pass(I, h, gC, d, b, e0, e1, rule, out, rows, zero)
     if rule == MATCHED:
         for e in range(e0, e1 + 1):
             scales[e] = _matched_scale(rows, e)  # rounded to the input dtype here
-            _row_scale(I[e], h[e], gC, scales[e], out[e])
+            _row_scale(out[e], scales[e])
 
 
 @njit(cache=True)
@@ -161,41 +165,54 @@ def _totals(rows, rule):
     return tot
 
 
+@njit(cache=True)
+def _setup(I, C, g, P):
+    # Once per call: g*C in the input dtype (as torch rounds C * g) and d = gC - P, the
+    # per-unit factor of the innovation's correction; workspaces for rows and scales.
+    gC = C * g
+    d = gC - P
+    rows = np.empty((I.shape[0], 4))
+    scales = np.zeros(I.shape[0], dtype=I.dtype)  # matched's ||N_e|| / ||R_e||
+    return gC, d, rows, scales, g - g  # g is finite: g - g is zero in the input dtype
+
+
 @njit(cache=True, parallel=True)
-def _mixed_parallel(I, h, gC, P, b, rule, out, rows, scales, zero):
+def _mixed_parallel(I, h, C, g, P, b, rule, out):
+    gC, d, rows, scales, zero = _setup(I, C, g, P)
     for pair in prange((I.shape[0] + 1) // 2):
-        _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero)
+        _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero)
     return _totals(rows, rule)
 
 
 @njit(cache=True)
-def _mixed_serial(I, h, gC, P, b, rule, out, rows, scales, zero):
+def _mixed_serial(I, h, C, g, P, b, rule, out):
+    gC, d, rows, scales, zero = _setup(I, C, g, P)
     for pair in range((I.shape[0] + 1) // 2):
-        _pair(I, h, gC, P, b, pair, rule, out, rows, scales, zero)
+        _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero)
     return _totals(rows, rule)
 
 
-def mixed_apical(I, h, gC, P, b, rule: int, out):
+def mixed_apical(I, h, C, g, P, b, rule: int, out):
     """Fused mixed-apical pass on numpy arrays; returns float64 totals (5,).
+
+    I, h, out: (B, N); C, P, b: (N,); g: the gain as a scalar of the input dtype
+    (``I.dtype.type(gain)``), so g*C is rounded as torch's ``C * gain``.
 
     Launch: ``prange`` over ceil(B / 2) tasks, each a pair of example rows (so
     B >= 2 * threads keeps every core busy; B <= 2 runs on one core); serial below
-    ``SERIAL_BELOW`` elements. Memory contract: reads I, h (B, N) and gC = g*C, P,
-    b (N,) (cache-resident, read once per pair of rows); writes ``out`` (B, N) (not
-    in place); no other writes but the (B, 4) row sums. Bytes per element:
-    3 * itemsize (read I, h; write used) plus 3 * itemsize per unit. Matched makes
-    two passes inside one task: the first forms the pair's sums of squares (hence
-    ||N_e||, ||R_e||), the second recomputes raw from I and h while the rows are
-    still in cache (L2) and writes R * ||N_e|| / ||R_e||; from main memory it still
-    moves 3 * itemsize per element (plus 2 * itemsize re-read from cache).
+    ``SERIAL_BELOW`` elements. Memory contract: reads I, h (B, N) and C, P, b (N,)
+    (once, to form g*C and g*C - P, which stay cache-resident and are read once per
+    pair of rows); writes ``out`` (B, N) (not in place); no other writes but
+    per-call workspaces of (N,) and (B, 4). Bytes per element: 3 * itemsize (read
+    I, h; write used) plus 3 * itemsize per unit. Matched makes two passes inside
+    one task: the first writes raw and forms the pair's sums of squares (hence
+    ||N_e||, ||R_e||), the second rescales the row in place while it is still in
+    cache (L2) to R * ||N_e|| / ||R_e||; from main memory it still moves
+    3 * itemsize per element (plus 2 * itemsize read and written in cache).
     Totals: [ss instruction, ss traffic, ss raw, ss innovation, ss used] (float64).
     """
-    rows = np.empty((I.shape[0], 4))
-    # Matched's per-example factor ||N_e|| / ||R_e||, in the input dtype (zeros otherwise).
-    scales = np.zeros(I.shape[0], dtype=I.dtype)
     kernel = _mixed_serial if I.size < SERIAL_BELOW else _mixed_parallel
-    # ``zero`` types the chunk accumulators: the input dtype (numba has no dtype.type).
-    return kernel(I, h, gC, P, b, rule, out, rows, scales, I.dtype.type(0))
+    return kernel(I, h, C, g, P, b, rule, out)
 
 
 # ---- predictor update: per-unit reductions over the batch -------------------------------

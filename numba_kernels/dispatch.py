@@ -6,10 +6,12 @@ launched on torch's current stream), CPU tensors to the ``numba.njit(parallel=Tr
 kernels (``cpu.py``, zero-copy numpy views), anything else to the torch reference.
 ``backend="torch"`` always runs the reference (``reference.py``); ``backend="numba"``
 insists on a numba kernel. Float32 and float64 only. Tensors that require grad
-are read through ``.detach()`` (the callers are no-grad rule code). Inputs that
-are not contiguous are copied to contiguous memory; an in-place output (the
-predictor's P and b, ``aux_add``'s dst, ``mixed_apical``'s ``out``) must already be
-contiguous, and is refused otherwise.
+are read through ``.detach()`` (the callers are no-grad rule code). Plain
+contiguous CPU tensors of one dtype take a short path (``_cpu_views``: fewer,
+cheaper checks on numpy views) to the same kernel; anything else goes through the
+full checks. Inputs that are not contiguous are copied to contiguous memory; an
+in-place output (the predictor's P and b, ``aux_add``'s dst, ``mixed_apical``'s
+``out``) must already be contiguous, and is refused otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from . import cpu, reference
@@ -133,6 +136,68 @@ def _mark_written(*tensors: torch.Tensor) -> None:
     torch.autograd.graph.increment_version(tensors)
 
 
+_NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _cpu_views(*tensors):
+    """Zero-copy numpy views of plain CPU tensors (no grad), or None: the checked path.
+
+    The callers' hot path (one call per population per step, and ``aux_add`` once per
+    step) passes contiguous CPU tensors that need no detaching, and at ResNet-20 sizes
+    the checks of the full path cost a visible share of the kernel's time. The checks
+    here are few and mostly on the numpy views, whose attributes are cheap; anything
+    unusual (grad, CUDA, not a tensor, an odd dtype, not contiguous) goes to the
+    checked path, which handles it or raises the error naming the argument. ``None``
+    entries (an absent ``out``) pass through.
+    """
+    views = []
+    try:
+        for t in tensors:
+            if t is None:
+                views.append(None)
+                continue
+            # requires_grad first: .numpy() would raise, and a raise costs more than
+            # the kernel; is_cpu likewise (a CUDA tensor must not pay for an exception)
+            if t.requires_grad or not t.is_cpu:
+                return None
+            a = t.numpy()
+            if a.dtype not in _NUMPY_DTYPES or not a.flags.c_contiguous:
+                return None
+            views.append(a)
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor, conj/neg bit, ...
+        return None
+    return views
+
+
+def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
+    """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None."""
+    if not isinstance(gain, (float, int)) or not math.isfinite(gain):
+        return None
+    views = _cpu_views(I, h, C, P, b, out)
+    if views is None:
+        return None
+    I_, h_, C_, P_, b_, o_ = views
+    shape, dt = h_.shape, h_.dtype
+    population = len(shape) >= 2 and h_.size > 0 and I_.shape == shape
+    per_unit = C_.shape == P_.shape == b_.shape == shape[1:]
+    one_dtype = I_.dtype is C_.dtype is P_.dtype is b_.dtype is dt  # numpy's are singletons
+    if o_ is not None and (o_.shape != shape or o_.dtype is not dt):
+        return None
+    if not (population and per_unit and one_dtype):
+        return None
+    used = torch.empty_like(h) if out is None else out  # h is contiguous: so is used
+    if o_ is None:
+        o_ = used.numpy()
+    B = shape[0]
+    N = h_.size // B
+    tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), C_.ravel(), dt.type(gain),
+                           P_.ravel(), b_.ravel(), code, o_.reshape(B, N))
+    tot = torch.from_numpy(tot).unbind()  # five 0-d views in one call
+    if out is not None:
+        _mark_written(out)
+    return MixedApical(used, tot[4], tot[0], tot[2], tot[3], tot[1])
+
+
 def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
                  backend: str = "auto") -> MixedApical:
     """The mixed apical signals of one population, and their sums of squares.
@@ -147,6 +212,10 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     (what ||M_e|| equals in real arithmetic). ``out`` (B, *U), contiguous, receives
     ``.used`` if given.
     """
+    if backend == "auto" and rule in cpu.RULE_CODES:
+        fast = _mixed_cpu_fast(I, h, C, gain, P, b, cpu.RULE_CODES[rule], out)
+        if fast is not None:
+            return fast
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
     h = _population("h", h)
@@ -168,12 +237,10 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     used = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
     code = cpu.RULE_CODES[rule]
     if form == "cpu":
-        # numpy reshapes are cheaper than torch views; this path runs once per population
-        # per step, and its overhead is a visible share of a small population's time.
         I_, h_, C_, P_, b_ = (t.contiguous().numpy() for t in (I, h, C, P, b))
-        gC = C_.reshape(N) * C_.dtype.type(g)  # g*C in the input dtype, as torch's C * g
-        tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), gC, P_.reshape(N),
-                               b_.reshape(N), code, used.numpy().reshape(B, N))
+        tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), C_.ravel(),
+                               h_.dtype.type(g), P_.ravel(), b_.ravel(), code,
+                               used.numpy().reshape(B, N))
         tot = torch.from_numpy(tot).unbind()  # five 0-d views in one call
     else:
         from . import gpu
@@ -235,6 +302,13 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
 
 def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     """``dst += src`` in place (same shape, dtype and device; dst contiguous); returns dst."""
+    if backend == "auto":
+        views = _cpu_views(dst, src)
+        if (views is not None and views[0].shape == views[1].shape
+                and views[0].dtype == views[1].dtype and views[0].size):
+            cpu.aux_add(views[0].ravel(), views[1].ravel())
+            _mark_written(dst)
+            return dst
     dst_d = _in_place("dst", _tensor("dst", dst))
     src = _tensor("src", src, like=dst_d, like_name="dst's")
     if src.shape != dst_d.shape:

@@ -152,18 +152,51 @@ def test_mixed_apical_is_bitwise_deterministic(rule):
 
 def test_serial_and_parallel_kernels_agree_bitwise():
     # The chunking fixes the arithmetic; the thread schedule must not change it.
-    p = population((40, 1000), torch.float32, seed=4)
-    B, N = 40, 1000
-    gC = (p["C"] * p["gain"]).numpy()
-    args = [p["I"].numpy(), p["h"].numpy(), gC, p["P"].numpy(), p["b"].numpy()]
+    p = population((41, 1000), torch.float32, seed=4)  # odd batch: a row paired with itself
+    B, N = 41, 1000
+    args = [p["I"].numpy(), p["h"].numpy(), p["C"].numpy(), np.float32(p["gain"]),
+            p["P"].numpy(), p["b"].numpy()]
     for code in (cpu.RAW, cpu.INNOVATION, cpu.MATCHED):
         outs, tots = [], []
         for kernel in (cpu._mixed_serial, cpu._mixed_parallel):
             out = np.empty((B, N), dtype=np.float32)
-            tots.append(kernel(*args, code, out, np.empty((B, 4)), np.zeros(B, np.float32),
-                               np.float32(0)))
+            tots.append(kernel(*args, code, out))
             outs.append(out)
         assert np.array_equal(outs[0], outs[1]) and np.array_equal(tots[0], tots[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rule", nk.RULES)
+def test_short_cpu_path_matches_checked_path_bitwise(rule, dtype):
+    # backend="auto" on plain contiguous CPU tensors takes dispatch's short path (few
+    # checks, numpy views); backend="numba" runs every check first. Same kernel, so the
+    # same bits, with or without out=, and out's version counter is bumped.
+    p = population((6, 5, 7), dtype, seed=7)
+    full = nk.mixed_apical(**p, rule=rule, backend="numba")
+    for out in (None, torch.full_like(p["I"], float("nan"))):
+        v = None if out is None else out._version
+        fast = nk.mixed_apical(**p, rule=rule, out=out)
+        assert torch.equal(fast.used, full.used)
+        assert all(torch.equal(getattr(fast, k), getattr(full, k)) for k in SS)
+        assert all(getattr(fast, k).dtype == torch.float64 for k in SS)
+        if out is not None:
+            assert fast.used is out and out._version > v
+
+
+def test_short_cpu_path_declines_what_it_cannot_take():
+    from numba_kernels import dispatch
+
+    x = torch.ones(3, 4)
+    assert dispatch._cpu_views(x, None)[1] is None
+    for bad in (x.t(), x.requires_grad_(True), torch.ones(3, 4, dtype=torch.int32),
+                torch.ones(3, 4, dtype=torch.float16), x.detach().numpy(), 2.0):
+        assert dispatch._cpu_views(torch.ones(3, 4), bad) is None
+    # declined inputs still run (through the checked path) or raise its errors
+    p = population((4, 3, 5), torch.float64)
+    want = nk.mixed_apical(**p, rule="raw")
+    got = nk.mixed_apical(**{**p, "C": p["C"].clone().requires_grad_(True),
+                             "gain": torch.tensor(p["gain"], dtype=torch.float64)}, rule="raw")
+    assert torch.equal(got.used, want.used)
 
 
 def test_mixed_apical_inputs_grad_noncontiguous_and_out():
@@ -287,6 +320,17 @@ def test_aux_add(n, dtype):
     v = dst._version
     assert nk.aux_add(dst, src) is dst
     assert torch.equal(dst, want) and dst._version > v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_aux_add_short_path_matches_checked_path(dtype):
+    g = torch.Generator().manual_seed(8)
+    dst = torch.randn(cpu.SERIAL_BELOW + 5, generator=g, dtype=dtype)
+    src = torch.randn(cpu.SERIAL_BELOW + 5, generator=g, dtype=dtype)
+    a, b = dst.clone(), dst.clone()
+    nk.aux_add(a, src)
+    nk.aux_add(b, src, backend="numba")
+    assert torch.equal(a, b) and torch.equal(a, dst + src)
 
 
 def test_aux_add_noncontiguous_src_grad_and_errors():
