@@ -27,7 +27,9 @@ def _lab_step(rule_name, x, y):
     torch.manual_seed(0)
     model = ResNet(20, 16, dims=2, in_channels=3)
     rule = make_rule(rule_name, model, seed=0)
-    opt = torch.optim.SGD(list(model.parameters()) + rule.parameters(), lr=0.01, momentum=0.9)
+    # As the trainer builds it: the rule's tensors beside the model's, its own groups apart.
+    groups = [{"params": list(model.parameters()) + rule.parameters()}] + rule.param_groups()
+    opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9)
     state = {"step": 0}
 
     def step():

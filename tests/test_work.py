@@ -41,42 +41,90 @@ def test_resnet20_forward_macs_independent_formula():
     assert forward_macs(ResNet(20, 16, dims=1, in_channels=1), (1, 40)) == expected
 
 
-def _bill(name, **params):
+def _bill(name, events=1, **params):
     model = ResNet(8, 4, dims=1, in_channels=1)
     rule = make_rule(name, model, params, seed=0)
     x, y = torch.randn(4, 1, 16), torch.tensor([0, 1, 2, 3])
-    rule.compute_gradients(x, y, 0)
+    for step in range(events):
+        rule.compute_gradients(x, y, step * getattr(rule.params, "mirror_every", 1))
     return bill(rule, model, (1, 16), examples=100), forward_macs(model, (1, 16))
 
 
-def test_bp_reverse_is_twice_forward():
+def _hooked(shape=(1, 16)):
+    """Per-layer MACs of the same model counted by forward hooks (independent of layer_macs)."""
+    model = ResNet(8, 4, dims=1, in_channels=1)
+    return hook_macs(model, torch.randn(2, *shape))
+
+
+def test_bp_reverse_skips_the_first_layers_input_gradient():
+    """Weight gradients of every layer, input gradients of every layer but the stem."""
     work, f = _bill("bp")
-    assert work["macs"] == {"forward": 100 * f, "bp_reverse": 200 * f}
+    hooked = _hooked()
+    assert f == sum(hooked.values())
+    reverse = sum(hooked.values()) + sum(v for k, v in hooked.items() if k != "stem")
+    assert work["macs"] == {"forward": 100 * f, "bp_reverse": 100 * reverse}
+    assert work["total_macs"] == 100 * (f + reverse)
+
+
+@pytest.mark.parametrize("name", ["fa", "kp", "usf", "brsf", "frsf", "wm", "rrm"])
+def test_feedback_bill_leaves_out_the_stem(name):
+    work, f = _bill(name)
+    hooked = _hooked()
+    without_stem = sum(v for k, v in hooked.items() if k != "stem")
+    assert work["macs"]["feedback_propagation"] == 100 * without_stem
+    assert work["macs"]["local_correlation"] == 100 * f
 
 
 def test_kp_extra_over_fa_is_only_the_feedback_update():
     kp, f = _bill("kp")
     fa, _ = _bill("fa")
     extra = {k: v - fa["macs"].get(k, 0) for k, v in kp["macs"].items()}
-    assert {k: v for k, v in extra.items() if v} == {"feedback_update": 100 * f}
+    without_stem = sum(v for k, v in _hooked().items() if k != "stem")
+    assert {k: v for k, v in extra.items() if v} == {"feedback_update": 100 * without_stem}
 
 
-def test_mirror_bill_counts_probe_passes():
-    wm, f = _bill("wm", mirror_batch_size=8)
-    rrm, _ = _bill("rrm", mirror_batch_size=8)
-    assert wm["macs"]["mirror"] == 2 * 8 * f  # one event: response + correlation
-    assert rrm["macs"]["mirror"] == 3 * 8 * f  # plus the prediction B x
+def test_mirror_bill_counts_probe_passes_per_event():
+    hooked = _hooked()
+    without_stem = sum(v for k, v in hooked.items() if k != "stem")
+    for events in (1, 3):
+        wm, _ = _bill("wm", events=events, mirror_batch_size=8)
+        rrm, _ = _bill("rrm", events=events, mirror_batch_size=8)
+        # Per probe, response + correlation (+ the prediction B x for rrm), on layers with a B.
+        assert wm["macs"]["mirror"] == events * 2 * 8 * without_stem
+        assert rrm["macs"]["mirror"] == events * 3 * 8 * without_stem
 
 
 def test_nodepert_bill_counts_perturbed_passes_and_elementwise_apart():
     work, f = _bill("nodepert", pert_directions=3)
-    assert work["macs"]["perturbation"] == 3 * 100 * f
-    assert work["elementwise"]["perturbation"] > 0
-    assert "perturbation" not in work["macs"] or work["total_macs"] == sum(work["macs"].values())
+    model = ResNet(8, 4, dims=1, in_channels=1)
+    sizes = []
+    model(torch.randn(1, 1, 16), tap=lambda i, h: sizes.append(h[0].numel()) or h)
+    assert work["macs"] == {"forward": 100 * f, "local_correlation": 100 * f,
+                            "perturbation": 3 * 100 * f}
+    # draw, add, scale, accumulate per direction and unit; never folded into the MACs.
+    assert work["elementwise"] == {"perturbation": 4 * 3 * sum(sizes) * 100}
+    assert work["total_macs"] == 5 * 100 * f
+
+
+def test_dfa_bill_counts_the_projection_of_every_population():
+    work, f = _bill("dfa")
+    model = ResNet(8, 4, dims=1, in_channels=1)
+    sizes = []
+    model(torch.randn(1, 1, 16), tap=lambda i, h: sizes.append(h[0].numel()) or h)
+    assert work["macs"] == {"forward": 100 * f, "local_correlation": 100 * f,
+                            "feedback_propagation": 10 * sum(sizes) * 100}
+
+
+def test_sign_symmetry_refresh_is_elementwise_per_step():
+    work, _ = _bill("usf", events=3)
+    model = ResNet(8, 4, dims=1, in_channels=1)
+    weights = sum(m.weight.numel() for n, m in model.layers if n != "stem")
+    assert work["elementwise"] == {"feedback_refresh": 2 * 3 * weights}
 
 
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_every_rule_bills_the_forward_pass(name):
     work, f = _bill(name)
     assert work["macs"]["forward"] == 100 * f
+    assert work["examples"] == 100 and work["forward_macs_per_example"] == f
     assert work["total_macs"] == sum(work["macs"].values())

@@ -23,7 +23,7 @@ from ..rules.common import Recorder
 
 @contextlib.contextmanager
 def _untouched(model, rule):
-    params = list(model.parameters()) + list(rule.parameters())
+    params = _all_params(model, rule)
     grads = [p.grad for p in params]
     state = copy.deepcopy(rule.state_dict())
     feedback = [(m, m.feedback) for _, m in local_layers(model)]
@@ -38,6 +38,12 @@ def _untouched(model, rule):
             m.feedback = b
         rule.load_state_dict(state)
         model.train(was_training)
+
+
+def _all_params(model, rule):
+    """Every tensor a rule may write a gradient for."""
+    return (list(model.parameters()) + list(rule.parameters())
+            + [p for group in rule.param_groups() for p in group["params"]])
 
 
 def _weight_grads(layers):
@@ -86,7 +92,7 @@ def alignment(model, rule, x, y, population_names=None) -> dict:
     names = population_names or getattr(model, "population_names", None)
     with _untouched(model, rule):
         model.train()
-        _zero(list(model.parameters()) + list(rule.parameters()))
+        _zero(_all_params(model, rule))
         out = rule.compute_gradients(x, y, None, record=True)
         rule_grads = _weight_grads(layers)
         true_teaching, true_grads = backprop_reference(model, x, y)

@@ -2,10 +2,17 @@
 
 The forward count comes from the architecture (``model.layer_macs``); an
 independent count from forward hooks checks it. A rule's bill for a run is
-``rule.work(forward_macs, examples)`` (see ``lab.rules.base.Rule.work``):
-components such as ``forward``, ``bp_reverse`` (a weight-gradient and an
-input-gradient product per forward product), ``feedback_propagation``,
+``rule.work(layer_macs, examples)`` (see ``lab.rules.base.Rule.work``):
+components such as ``forward``, ``bp_reverse``, ``feedback_propagation``,
 ``local_correlation``, ``feedback_update``, ``mirror`` and ``perturbation``.
+
+The rule for the bill: a product is billed when the rule needs its result.
+Every layer's weight gradient is billed (every layer learns); an input
+gradient only where a layer below reads it, so never for the first layer,
+whose input is the data: bp's reverse pass is one weight-gradient product per
+layer plus one input-gradient product per layer but the first, and the
+feedback rules carry no B there (nothing propagated, tracked or billed). A
+product computed but thrown away is a defect to fix, not a cost to bill.
 Element-wise operations (noise, signs, norms) are listed separately and never
 folded into MACs. Diagnostics (alignment probes) are not training work and
 are not billed.
@@ -51,8 +58,9 @@ def hook_macs(model, x: torch.Tensor) -> dict[str, int]:
 
 def bill(rule, model, example_shape, examples: int) -> dict:
     """The run's compute bill: per-example forward MACs, MAC components, element-wise ops."""
-    per_example = forward_macs(model, example_shape)
-    components = {k: int(v) for k, v in rule.work(per_example, examples).items()}
+    layer_macs = model.layer_macs(tuple(example_shape))
+    per_example = sum(layer_macs.values())
+    components = {k: int(v) for k, v in rule.work(layer_macs, examples).items()}
     return {"forward_macs_per_example": per_example, "examples": examples,
             "macs": components, "total_macs": sum(components.values()),
             "elementwise": {k: int(v) for k, v in rule.elementwise(examples).items()}}

@@ -65,10 +65,25 @@ class _FeedbackLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class Conv(nn.Module):
-    """Conv1d (dims=1) or Conv2d (dims=2), groups=1, dilation=1."""
+class _FeedbackSlot:
+    """The ``feedback`` slot, owned by the rule that set it, not by the layer.
+
+    A copy of the model (``copy.deepcopy`` for a backprop twin, pickling) must
+    not silently carry a rule's feedback tensor into a network that rule does
+    not train, so the slot is left out of the layer's pickled state: the copy
+    reads the class default ``None`` and computes exact gradients.
+    """
 
     feedback: torch.Tensor | None = None
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("feedback", None)
+        return state
+
+
+class Conv(_FeedbackSlot, nn.Module):
+    """Conv1d (dims=1) or Conv2d (dims=2), groups=1, dilation=1."""
 
     def __init__(self, dims, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  bias=False):
@@ -95,10 +110,8 @@ class Conv(nn.Module):
                 f"padding={self.padding[0]}, bias={self.bias is not None}")
 
 
-class Linear(nn.Linear):
+class Linear(_FeedbackSlot, nn.Linear):
     """nn.Linear with the feedback slot."""
-
-    feedback: torch.Tensor | None = None
 
     def forward(self, x):
         if self.feedback is None:

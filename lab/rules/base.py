@@ -7,11 +7,21 @@ of them, so momentum, weight decay, schedules and clipping come from torch and
 are the same for every rule. Gradient convention (DESIGN section 3): the loss
 is the batch-mean cross-entropy, so ``.grad`` holds batch-mean updates, while a
 teaching signal at a population estimates d(sum of the batch's losses)/dh.
+
+What a trainer does with a rule, in order (``lab.train``):
+
+- builds the optimizer as ``[{"params": model params + rule.parameters()}]
+  + rule.param_groups()``, so tensors in ``parameters()`` get the model's
+  learning rate and weight decay (KP's B must), and a group may set its own;
+- calls ``rule.prepare(x, y)`` once before the first step of a fresh run;
+- per step: zero grads, ``compute_gradients(x, y, step)``, optionally
+  ``clip_gradients(max_norm)``, optimizer step;
+- per epoch stores ``epoch_metrics()`` under the row key ``"rule"``;
+- checkpoints ``state_dict()``; bills ``work()`` and ``elementwise()``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,7 +59,18 @@ class Rule:
         self.seed = seed
 
     def parameters(self) -> list[torch.Tensor]:
-        """Learnable tensors the rule owns; the optimizer steps them with the model's."""
+        """Learnable tensors the rule owns, stepped with the model's own hyper-parameters."""
+        return []
+
+    def param_groups(self) -> list[dict]:
+        """Extra optimizer groups for tensors with their own settings.
+
+        torch parameter-group dicts: ``"params"`` and, as needed, ``"lr"``,
+        ``"weight_decay"``. (A feedback learning rate, for example.) Tensors a
+        rule updates itself, outside the optimizer, belong in neither list:
+        they change inside ``compute_gradients`` when ``step is not None``
+        and are saved by ``state_dict``.
+        """
         return []
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor, step: int | None,
@@ -62,26 +83,62 @@ class Rule:
         """
         raise NotImplementedError
 
-    def prepare(self, x: torch.Tensor) -> None:
-        """Hook run once before the first step, with a batch of inputs (shapes, warm-ups)."""
+    def prepare(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Run once before the first step of a fresh run (not on resume).
 
-    def work(self, forward_macs: int, examples: int) -> dict[str, int]:
+        ``x``, ``y`` are the training split's examples in order, unaugmented,
+        on the model's device and in its dtype (a rule uses a prefix of them).
+        A rule that calibrates or warms up from data (a predictor, a probe
+        scale) does it here;
+        whatever it learns must go into ``state_dict``, because a resumed run
+        restores it instead of calling ``prepare`` again.
+        """
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale every gradient the rule wrote so the model's grad norm is at most ``max_norm``.
+
+        The norm is over the model's parameters only, as for backprop: a
+        rule's own tensors (KP's B, whose gradient equals W's) must not make
+        the same ``grad_clip`` clip one rule harder than another. The same
+        coefficient then scales the rule's tensors, so B still gets exactly
+        W's clipped update. Returns the norm before clipping (as
+        ``torch.nn.utils.clip_grad_norm_`` does, with its 1e-6 guard).
+        """
+        model_grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not model_grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(model_grads)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        extra = self.parameters() + [p for g in self.param_groups() for p in g["params"]]
+        grads = model_grads + [p.grad for p in extra if p.grad is not None]
+        for g in grads:
+            g.mul_(coefficient.to(g.device, g.dtype))
+        return float(norm)
+
+    def work(self, layer_macs: dict[str, int], examples: int) -> dict[str, int]:
         """Multiply-accumulates per component for ``examples`` training examples.
 
-        ``forward_macs`` is one example's forward pass. The default is a local
-        rule: the ordinary forward plus one weight correlation per layer (the
-        same MAC count as the forward); rules add their feedback, probe and
-        perturbation passes.
+        ``layer_macs`` is one example's forward MACs per Conv/Linear layer
+        (``model.layer_macs``). The default is a local rule: the ordinary
+        forward plus one weight correlation per layer (the same MAC count as
+        the forward); rules add their feedback, probe and perturbation passes.
         """
-        return {"forward": forward_macs * examples,
-                "local_correlation": forward_macs * examples}
+        forward = sum(layer_macs.values())
+        return {"forward": forward * examples, "local_correlation": forward * examples}
 
     def elementwise(self, examples: int) -> dict[str, int]:
         """Element-wise operations the rule adds, reported apart from MACs."""
         return {}
 
+    def final_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """Diagnostics at the end of a run, on a probe batch; stored under final ``"rule"``."""
+        return {}
+
     def epoch_metrics(self) -> dict:
-        """Per-epoch diagnostics of the rule's own state (e.g. feedback tracking)."""
+        """Per-epoch diagnostics of the rule's own state, e.g. ``{"feedback": {...}}``.
+
+        Unprefixed: the trainer stores them under the row key ``"rule"``.
+        """
         return {}
 
     def state_dict(self) -> dict:
@@ -91,6 +148,3 @@ class Rule:
     def load_state_dict(self, state: dict) -> None:
         if state:
             raise ValueError(f"rule {self.name!r} keeps no state, got keys {sorted(state)}")
-
-    def describe(self) -> dict:
-        return {"name": self.name, **dataclasses.asdict(self.params)}

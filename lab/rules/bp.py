@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from ..models.layers import local_layers
 from .base import Rule, StepResult
 from .common import Recorder
 from .registry import register
@@ -16,15 +17,30 @@ class Backprop(Rule):
     def compute_gradients(self, x, y, step, record=False):
         return autograd_step(self.model, x, y, record)
 
-    def work(self, forward_macs, examples):
-        # Reverse pass: a weight-gradient and an input-gradient product per forward one.
-        return {"forward": forward_macs * examples, "bp_reverse": 2 * forward_macs * examples}
+    def work(self, layer_macs, examples):
+        # Reverse pass: a weight-gradient product per forward one, and an
+        # input-gradient product for every layer but the first, whose input
+        # (the data) needs no gradient.
+        forward = sum(layer_macs.values())
+        first = local_layers(self.model)[0][0]
+        return {"forward": forward * examples,
+                "bp_reverse": (2 * forward - layer_macs[first]) * examples}
 
 
-def autograd_step(model, x, y, record: bool) -> StepResult:
-    """Forward, batch-mean cross-entropy, backward through whatever the layers transport."""
+def autograd_step(model, x, y, record: bool, tap=None) -> StepResult:
+    """Forward, batch-mean cross-entropy, backward through whatever the layers transport.
+
+    ``tap`` is a rule's own tap (see ``lab.models.resnet``); with ``record``
+    the recorder reads each population after it, i.e. the tensor later
+    layers actually read.
+    """
     recorder = Recorder(len(y)) if record else None
-    logits = model(x, tap=recorder)  # (B, n_classes)
+    if recorder and tap:
+        def both(index, h):
+            return recorder(index, tap(index, h))
+    else:
+        both = recorder or tap
+    logits = model(x, tap=both)  # (B, n_classes)
     loss = F.cross_entropy(logits, y)
     loss.backward()
     return StepResult(loss.detach(), logits.detach(), recorder.teaching() if record else None)

@@ -15,11 +15,13 @@ Two ways a rule produces its teaching signals, both through the model's
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..models.layers import local_layers
 
 
 def derive_seed(seed: int, *tags: int | str) -> int:
@@ -29,15 +31,45 @@ def derive_seed(seed: int, *tags: int | str) -> int:
     return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def kaiming_std(weight: torch.Tensor) -> float:
-    """He et al. 2015 scale sqrt(2 / fan_in) for a conv or linear weight."""
-    fan_in = weight[0].numel()
-    return math.sqrt(2.0 / fan_in)
+def initial_scale(weight: torch.Tensor) -> float:
+    """The root-mean-square entry of a forward weight: its scale, whatever its initialiser.
+
+    Feedback tensors are drawn at this scale (times ``feedback_scale``) rather
+    than at a textbook std such as Kaiming's sqrt(2 / fan_in): the lab layers
+    use different initialisers (Kaiming fan-out for convolutions, torch's
+    uniform default for Linear), and a fan-in std made ||B|| / ||W|| about 4
+    at a 1-channel stem and 2.45 at the read-out. Matching each layer's own
+    weight gives ||B|| / ||W|| = ``feedback_scale`` in expectation, so at
+    initialisation a feedback rule transports signals of backprop's magnitude.
+    """
+    return float(weight.detach().double().pow(2).mean().sqrt())
 
 
-def population_scale(batch: int) -> float:
-    """Autograd gives d(mean loss)/dh; teaching signals are d(sum loss)/dh."""
-    return float(batch)
+def feedback_layer_names(model) -> list[str]:
+    """Names of the Conv/Linear layers whose input gradient a rule must carry.
+
+    The first layer in forward order reads the data, which needs no gradient:
+    nothing below it learns. It gets no feedback tensor, no feedback tracking
+    and no bill for an input-gradient pass.
+    """
+    return [name for name, _ in local_layers(model)[1:]]
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """Convolutions and matmuls in full float32 inside (no TF32 on Ampere+ GPUs).
+
+    cuDNN's default TF32 convolutions keep a 10-bit mantissa; a finite
+    difference of losses at a small probe (node perturbation, sigma = 1e-3)
+    then has a relative error near 30%. No effect on the CPU.
+    """
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
+    saved = conv.fp32_precision, matmul.fp32_precision
+    conv.fp32_precision = matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        conv.fp32_precision, matmul.fp32_precision = saved
 
 
 class Recorder:
@@ -60,8 +92,11 @@ class Segments:
     """A tap that cuts the graph at each population, keeping both sides.
 
     ``outputs[i]`` is the population as its own layer computed it (its graph
-    reaches back only to the previous cut); the next layer reads a detached
-    copy, so no gradient crosses between segments.
+    reaches back only to the previous cut); the next layer reads a plain
+    detached copy. No gradient crosses between segments, and none is computed
+    for the copy either: a copy that required grad would make every layer
+    compute an input-gradient convolution nobody reads (about one extra
+    reverse pass of wall time).
     """
 
     def __init__(self):
@@ -69,7 +104,7 @@ class Segments:
 
     def __call__(self, index: int, h: torch.Tensor) -> torch.Tensor:
         self.outputs.append(h)
-        return h.detach().requires_grad_(h.requires_grad)
+        return h.detach()
 
     def inject(self, signals: list[torch.Tensor], batch: int) -> None:
         """Backward each population's signal (d sum-loss/dh) into its own segment."""

@@ -6,6 +6,13 @@ every population by a fixed random matrix D_l: teaching_l = e . D_l. Each layer
 then updates from the correlation of its input with that signal, gated by its
 own local derivative (BN and ReLU); no signal travels between layers. The
 read-out layer sees e itself.
+
+D_l's entries are N(0, (feedback_scale / sqrt(K))^2), so every unit receives
+about e's norm whatever its depth and width; backprop's signal there is far
+smaller (issue 9 measured dfa's teaching norms at initialisation at 67-280x
+backprop's below the read-out of the CIFAR ResNet-20). ``projection_norm="gradient"`` rescales each
+D_l once, on the first batch the rule sees, so that ||e . D_l|| over that
+batch equals feedback_scale x ||d(sum loss)/dh_l||, backprop's norm there.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import bounded, validate
+from ..config import bounded, choice, validate
+from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
 from .common import Segments, derive_seed, output_error
 from .feedback import check_supported
@@ -27,6 +35,8 @@ from .registry import register
 class DFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # D std = scale / sqrt(K)
     feedback_seed: int = bounded(0, 0)
+    # "fixed": Nokland's scale; "gradient": each D_l matched to backprop's norm once.
+    projection_norm: str = choice("fixed", ("fixed", "gradient"))
 
     def __post_init__(self):
         validate(self)
@@ -51,6 +61,27 @@ class DirectFeedbackAlignment(Rule):
                          dtype=torch.float64) * std).to(h)
             for h in populations]
 
+    def _match_gradient_norms(self, x, y) -> None:
+        """Rescale each D_l so ||e . D_l|| = feedback_scale x backprop's ||dL/dh_l|| on (x, y).
+
+        Backprop's population gradients come from ``torch.autograd.grad``
+        (no ``.grad`` written) in a training-mode pass that leaves BN's
+        running statistics alone.
+        """
+        populations = []
+
+        def keep(index, h):
+            populations.append(h)
+            return h
+        with preserved_norm_stats(self.model):
+            logits = self.model(x, tap=keep)  # (B, K)
+            loss = F.cross_entropy(logits, y, reduction="sum")
+            true = torch.autograd.grad(loss, populations)
+        e = output_error(logits.detach(), y)  # (B, K)
+        with torch.no_grad():
+            for d, g in zip(self.projections, true):
+                d.mul_(self.params.feedback_scale * g.norm() / (e @ d).norm())
+
     def teaching(self, e: torch.Tensor, populations) -> list[torch.Tensor]:
         """e . D_l reshaped to each population. e: (B, K) -> [(B, *unit shape)]"""
         return [(e @ d).view_as(h) for d, h in zip(self.projections, populations)]
@@ -60,6 +91,8 @@ class DirectFeedbackAlignment(Rule):
         logits = self.model(x, tap=segments)  # (B, K)
         if self.projections is None:
             self._make_projections(segments.outputs, logits.shape[1])
+            if self.params.projection_norm == "gradient":
+                self._match_gradient_norms(x, y)
         loss = F.cross_entropy(logits, y)
         loss.backward()  # the read-out only: populations are cut from it
         signals = self.teaching(output_error(logits.detach(), y), segments.outputs)
@@ -75,9 +108,9 @@ class DirectFeedbackAlignment(Rule):
                             else [d.to(like) for d in state["projections"]])
         self.generator.set_state(state["generator"])
 
-    def work(self, forward_macs, examples):
+    def work(self, layer_macs, examples):
         # Projection e . D_l: K x units MACs per population.
         units = sum(d.shape[1] for d in self.projections or [])
         k = self.projections[0].shape[0] if self.projections else 0
-        return {**super().work(forward_macs, examples),
+        return {**super().work(layer_macs, examples),
                 "feedback_propagation": k * units * examples}

@@ -5,7 +5,8 @@ graph (BN, ReLU, residual adds and pooling use their true derivatives), except
 that each Conv/Linear input gradient uses a feedback tensor B_l in place of
 W_l (hierarchical FA). They differ only in how B_l is made:
 
-- ``fa``  fixed random B (Lillicrap et al. 2016, Nature Communications 7:13276);
+- ``fa``  fixed random B at W's own scale (Lillicrap et al. 2016, Nature
+  Communications 7:13276);
 - ``kp``  Kolen-Pollack: B receives W's update, the same correlation and the same
   weight decay, so W - B decays geometrically (Kolen & Pollack 1994; Akrout et
   al. 2019, "Deep learning without weight transport");
@@ -15,7 +16,9 @@ W_l (hierarchical FA). They differ only in how B_l is made:
   Moskovitz et al. 2018).
 
 The weight update of every layer is the local correlation of its input with
-the teaching signal at its output, exactly what autograd computes for it.
+the teaching signal at its output, exactly what autograd computes for it. The
+first layer reads the data: nothing needs its input gradient, so it has no B
+(not tracked, not billed).
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from ..config import bounded, validate
 from ..models.layers import local_layers
 from .base import Rule
 from .bp import autograd_step
-from .common import derive_seed, kaiming_std
+from .common import derive_seed, feedback_layer_names, initial_scale
 from .registry import register
 
 
 @dataclass(frozen=True)
 class FeedbackParams:
-    feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # x the Kaiming std
+    feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0)  # mixed with the run seed
 
     def __post_init__(self):
@@ -63,27 +66,39 @@ def check_supported(model: nn.Module, rule: str) -> list[tuple[str, nn.Module]]:
 
 @register
 class FeedbackAlignment(Rule):
-    """Fixed random feedback tensors (``fa``)."""
+    """Fixed random feedback tensors (``fa``).
+
+    B_l ~ N(0, (feedback_scale x rms(W_l))^2), with rms(W_l) the root-mean-square
+    entry of the layer's weight when the rule is built (see
+    ``common.initial_scale`` for why not a fan-in std). The first layer reads
+    the data and needs no B; ``self.layers`` lists the layers that carry one.
+    """
 
     name = "fa"
     Params = FeedbackParams
 
     def __init__(self, model, params=None, *, seed=0):
         super().__init__(model, params, seed=seed)
-        self.layers = check_supported(model, self.name)
+        check_supported(model, self.name)
+        names = set(feedback_layer_names(model))
+        self.layers = [(n, m) for n, m in local_layers(model) if n in names]
         self.generator = torch.Generator().manual_seed(
             derive_seed(seed, "feedback", self.params.feedback_seed))
-        self.feedback = [self._make_feedback(m.weight) for _, m in self.layers]
+        # Per layer, the std of B's entries (fixed from W at construction).
+        self.scales = [self.params.feedback_scale * initial_scale(m.weight)
+                       for _, m in self.layers]
+        self.feedback = [self._draw(i) for i in range(len(self.layers))]
         for (_, module), b in zip(self.layers, self.feedback):
             module.feedback = b
         self.steps = 0
 
-    def _make_feedback(self, weight: torch.Tensor) -> torch.Tensor:
-        scale = self.params.feedback_scale * kaiming_std(weight)
-        b = torch.randn(weight.shape, generator=self.generator, dtype=torch.float64) * scale
+    def _draw(self, index: int) -> torch.Tensor:
+        """A fresh N(0, scale^2) tensor shaped like layer ``index``'s weight."""
+        weight = self.layers[index][1].weight
+        b = torch.randn(weight.shape, generator=self.generator, dtype=torch.float64)
         # A plain tensor, not an nn.Parameter: attached to a layer it must not join
         # the model's parameters or state_dict (the rule saves it).
-        return b.to(weight)
+        return (b * self.scales[index]).to(weight)
 
     def refresh(self) -> None:
         """Recompute B from W before a step (sign-symmetry rules)."""
@@ -96,28 +111,47 @@ class FeedbackAlignment(Rule):
         return out
 
     def epoch_metrics(self):
-        return {"feedback": feedback_tracking(self.layers, self.feedback)}
+        return {"feedback": feedback_tracking(self.layers, self.feedback)} if self.layers else {}
 
     def state_dict(self):
         return {"feedback": [b.detach().clone() for b in self.feedback],
+                "scales": list(self.scales),
                 "generator": self.generator.get_state(), "steps": self.steps}
 
     def load_state_dict(self, state):
+        if len(state["feedback"]) != len(self.feedback) or "scales" not in state:
+            raise ValueError(
+                f"rule {self.name!r}: the saved state holds {len(state['feedback'])} feedback "
+                f"tensors{'' if 'scales' in state else ' and no scales'}; this model needs "
+                f"{len(self.feedback)} (one per layer after the first) with their scales. "
+                "States saved before feedback tensors matched each layer's scale (and the "
+                "first layer's B was dropped) cannot be resumed: rerun the run afresh.")
         with torch.no_grad():
             for b, saved in zip(self.feedback, state["feedback"]):
                 b.copy_(saved)
+        self.scales = list(state["scales"])
         self.generator.set_state(state["generator"])
         self.steps = state["steps"]
 
-    def work(self, forward_macs, examples):
-        # One input-gradient product through B per layer: the forward's MAC count.
-        return {**super().work(forward_macs, examples),
-                "feedback_propagation": forward_macs * examples}
+    def feedback_macs(self, layer_macs: dict[str, int]) -> int:
+        """One example's MACs summed over the layers that carry a B."""
+        return sum(layer_macs[name] for name, _ in self.layers)
+
+    def work(self, layer_macs, examples):
+        # One input-gradient product through B per layer that has one.
+        return {**super().work(layer_macs, examples),
+                "feedback_propagation": self.feedback_macs(layer_macs) * examples}
 
 
 @register
 class KolenPollack(FeedbackAlignment):
-    """B is learned: it gets W's gradient, and the optimizer gives it W's decay."""
+    """B is learned: it gets W's gradient, and the optimizer gives it W's decay.
+
+    B sits in ``parameters()`` (the model's optimizer group, never a group of
+    its own): W - B then follows the optimizer's weight-decay law alone, e.g.
+    (1 - lr wd)^t under plain SGD and under AdamW's decoupled decay. Under an
+    L2 penalty inside Adam's moments it would not.
+    """
 
     name = "kp"
 
@@ -130,21 +164,25 @@ class KolenPollack(FeedbackAlignment):
             b.grad = module.weight.grad.clone()
         return out
 
-    def work(self, forward_macs, examples):
+    def work(self, layer_macs, examples):
         # The feedback update is the same correlation, applied to B as well.
-        return {**super().work(forward_macs, examples),
-                "feedback_update": forward_macs * examples}
+        return {**super().work(layer_macs, examples),
+                "feedback_update": self.feedback_macs(layer_macs) * examples}
 
 
 @register
 class UniformSignSymmetry(FeedbackAlignment):
-    """B = sign(W) x feedback_scale x Kaiming std (``usf``)."""
+    """B = sign(W) x feedback_scale x rms(W at construction) (``usf``).
+
+    The uniform magnitude is fa's std, so ||B|| / ||W|| = feedback_scale at
+    initialisation, as for fa.
+    """
 
     name = "usf"
 
     def magnitude(self, index: int, weight: torch.Tensor):
         """|B| for layer ``index``; the sign always comes from W."""
-        return self.params.feedback_scale * kaiming_std(weight)
+        return self.scales[index]
 
     def refresh(self):
         with torch.no_grad():
@@ -158,17 +196,17 @@ class UniformSignSymmetry(FeedbackAlignment):
 
 @register
 class BatchRandomSignSymmetry(UniformSignSymmetry):
-    """B = sign(W) x |R|, R drawn afresh every step (``brsf``)."""
+    """B = sign(W) x |R|, R ~ fa's distribution drawn afresh every step (``brsf``)."""
 
     name = "brsf"
 
     def magnitude(self, index, weight):
-        return self._make_feedback(weight).abs()
+        return self._draw(index).abs()
 
 
 @register
 class FixedRandomSignSymmetry(UniformSignSymmetry):
-    """B = sign(W) x |R|, R drawn once (``frsf``)."""
+    """B = sign(W) x |R|, R ~ fa's distribution drawn once (``frsf``)."""
 
     name = "frsf"
 

@@ -8,11 +8,15 @@ teaching signal (L_pert - L_clean) / s^2 * xi_l, an unbiased estimate of
 d(loss)/dh_l as s -> 0, averaged over directions. Each layer then updates from
 the local correlation of its input with that estimate through its own local
 derivative. The read-out layer uses the output error, which it sees locally.
-Perturbed passes use the same batch statistics and leave BN's running
-statistics untouched. The estimate uses each example's own loss change, so
-with batch norm it omits the coupling between examples through batch
-statistics (autograd's gradient includes it); without batch norm it is
-unbiased.
+Perturbed passes recompute batch statistics from the perturbed batch (as a
+training-mode pass must) and leave BN's running statistics untouched. The
+estimate uses each example's own loss change, so with batch norm it omits the
+coupling between examples through batch statistics (autograd's gradient
+includes it) and is biased; without batch norm it is unbiased.
+
+The clean and perturbed passes run in full float32 (``common.full_fp32``):
+with TF32 convolutions, cuDNN's default on recent GPUs, the loss change at
+sigma = 1e-3 has a median relative error near 30%.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from ..config import bounded, validate
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
-from .common import Segments, derive_seed
+from .common import Segments, derive_seed, full_fp32
 from .feedback import check_supported
 from .registry import register
 
@@ -77,10 +81,11 @@ class NodePerturbation(Rule):
 
     def compute_gradients(self, x, y, step, record=False):
         segments = Segments()
-        logits = self.model(x, tap=segments)  # (B, K)
-        losses = F.cross_entropy(logits, y, reduction="none")
+        with full_fp32():
+            logits = self.model(x, tap=segments)  # (B, K)
+            losses = F.cross_entropy(logits, y, reduction="none")
+            signals = self.estimate(x, y, losses.detach())
         loss = losses.mean()
-        signals = self.estimate(x, y, losses.detach())
         self.units = sum(h[0].numel() for h in segments.outputs)
         loss.backward()  # the read-out only
         segments.inject(signals, len(y))
@@ -92,9 +97,10 @@ class NodePerturbation(Rule):
     def load_state_dict(self, state):
         self.generator.set_state(state["generator"])
 
-    def work(self, forward_macs, examples):
-        return {**super().work(forward_macs, examples),
-                "perturbation": self.params.pert_directions * forward_macs * examples}
+    def work(self, layer_macs, examples):
+        forward = sum(layer_macs.values())
+        return {**super().work(layer_macs, examples),
+                "perturbation": self.params.pert_directions * forward * examples}
 
     def elementwise(self, examples):
         # Per direction and unit: draw, add, scale, accumulate.
