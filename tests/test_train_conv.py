@@ -166,7 +166,8 @@ TINY_RULE_PARAMS = {
 }
 
 
-STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert", "kp_traffic"]
+STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert", "kp_traffic", "lhfa",
+                  "sdil"]
 
 
 @pytest.mark.parametrize("rule", STATEFUL_RULES)
