@@ -232,7 +232,8 @@ def test_examples_that_do_not_exist_are_refused(params, message):
 
 
 @pytest.mark.parametrize("params,message", [
-    ({"traffic_rule": "mixed"}, r"traffic_rule='mixed' is not allowed; choose one of: 'none', 'raw'"),
+    ({"traffic_rule": "mixed"},
+     r"traffic_rule='mixed' is not allowed; choose one of: 'none', 'raw'"),
     ({"traffic_ratio": -1.0}, r"traffic_ratio=-1.0 is out of range"),
     ({"predictor_lr": 0.0}, r"predictor_lr=0.0 is out of range"),
 ])
