@@ -223,7 +223,7 @@ def test_expectation_refuses_bad_declarations():
 # SIGKILL at any moment, including inside a save
 
 
-KILL_CONFIG = SyntheticConfig(steps=1500, checkpoint_every=7, eval_every=9)
+KILL_CONFIG = SyntheticConfig(steps=3000, checkpoint_every=7, eval_every=9)
 
 
 def _child(out, kill_at_replace: int | None, after: bool) -> None:
@@ -265,7 +265,9 @@ def _valid(out) -> int:
 
 @pytest.mark.slow
 def test_sigkill_anywhere_never_breaks_the_store_and_resume_is_exact(tmp_path):
+    start = time.perf_counter()
     reference = train_synthetic(KILL_CONFIG, tmp_path / "reference")
+    per_step = (time.perf_counter() - start) / KILL_CONFIG.steps
     out = tmp_path / "killed"
     rng = random.Random(0)
     kills, progress = 0, []
@@ -277,10 +279,11 @@ def test_sigkill_anywhere_never_breaks_the_store_and_resume_is_exact(tmp_path):
         assert os.WIFSIGNALED(status)
         kills += 1
         progress.append(_valid(out))
-    # At random moments from outside.
+    # At random moments from outside: after about 5 to 100 steps' worth of time, so that
+    # twelve kills land before the run can finish on a fast machine or a slow one.
     for _ in range(12):
         pid = _fork(out)
-        time.sleep(rng.uniform(0.02, 0.4))
+        time.sleep(rng.uniform(5, 100) * per_step)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         if os.WIFSIGNALED(status):
