@@ -75,7 +75,7 @@ from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
 from .perturbation import BASES, DIFFERENCES, PerturbationEstimator
 from .registry import register
-from .traffic import SIGNALS, _conv_weight_grad
+from .traffic import SIGNALS, _conv_weight_grad, apical_rms
 
 
 def _need_resnet(model, name):
@@ -463,12 +463,7 @@ class SDIL(Rule):
     # -- diagnostics, state, bill ------------------------------------------------------
 
     def epoch_metrics(self):
-        names = self.model.population_names
-        apical = {}
-        for s in SIGNALS:
-            per = {names[i]: math.sqrt(self.sums[s][i] / self.numels[i]) if self.numels[i]
-                   else math.nan for i in range(len(names))}
-            apical[f"rms_{s}"] = {**per, "mean": sum(per.values()) / len(per)}
+        apical = apical_rms(self.model.population_names, self.sums, self.numels)
         self._reset_sums()
         return {"apical": apical, "perturbation": self.estimator.counts(),
                 "calibration": {"events": self.events, "fit": self.fit}}

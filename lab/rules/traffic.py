@@ -395,12 +395,7 @@ class KolenPollackTraffic(KolenPollack):
     # -- diagnostics, state, bill ---------------------------------------------------
 
     def epoch_metrics(self):
-        names = self.model.population_names
-        apical = {}
-        for s in SIGNALS:
-            per = {names[i]: math.sqrt(self.sums[s][i] / self.numels[i]) if self.numels[i]
-                   else math.nan for i in range(len(names))}
-            apical[f"rms_{s}"] = {**per, "mean": sum(per.values()) / len(per)}
+        apical = apical_rms(self.model.population_names, self.sums, self.numels)
         self._reset_sums()
         return {**super().epoch_metrics(), "apical": apical}
 
@@ -476,6 +471,16 @@ class KolenPollackTraffic(KolenPollack):
         updates = self.predictor_updates * self.params.predictor_batch * 8 * units
         return {**super().elementwise(examples), "mixed_apical": per_example * examples,
                 "local_derivative": local * examples, "predictor": updates}
+
+
+def apical_rms(names: list[str], sums: dict, numels: list[int]) -> dict:
+    """Per signal, the RMS at each population over the summed steps, and their mean."""
+    apical = {}
+    for s in SIGNALS:
+        per = {names[i]: math.sqrt(sums[s][i] / numels[i]) if numels[i] else math.nan
+               for i in range(len(names))}
+        apical[f"rms_{s}"] = {**per, "mean": sum(per.values()) / len(per)}
+    return apical
 
 
 def _nanmean(values) -> float:
