@@ -289,7 +289,9 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     base = root if expected is not None else (target.resolve() if target.is_dir() else root)
     runs = runs.assign(dir=[_relative(p, base) for p in runs["path"]])
     count = "n_rows" if "n_rows" in runs.columns else "n_epochs"
-    finals = [c for c in runs.columns if c.startswith("final.")]
+    # Headline finals only: nested diagnostics (final.rule/...) stay in the records and
+    # `records.load_runs`, or a rule with per-population diagnostics buries the table.
+    finals = [c for c in runs.columns if c.startswith("final.") and "/" not in c]
     columns = ["run_id", "dir", "status", *(["axis"] if "axis" in runs.columns else []), count,
                *finals, "error"]
     table = runs[columns].copy().reset_index(drop=True)
