@@ -445,17 +445,14 @@ def test_nodepert_estimate_is_unbiased(kind, directions):
 def test_nodepert_runs_its_passes_in_full_float32():
     """TF32 is switched off during the clean and perturbed passes and restored after."""
     model, x = _model("resnet2d")
-    rule = make_rule("nodepert", model, seed=0)
+    rule = make_rule("nodepert", model, {"pert_directions": 2}, seed=0)
     conv = torch.backends.cudnn.conv
     seen = []
-
-    def tap(index, h):
-        seen.append(conv.fp32_precision)
-        return h
-    model.register_forward_pre_hook(lambda mod, args: seen.append(conv.fp32_precision))
+    # The read-out runs once per pass: the clean one, then one per population and direction.
+    model.fc.register_forward_pre_hook(lambda mod, args: seen.append(conv.fp32_precision))
     before = conv.fp32_precision
     rule.compute_gradients(x, Y, 0)
-    assert len(seen) == 1 + rule.params.pert_directions and set(seen) == {"ieee"}
+    assert len(seen) == 1 + 2 * len(model.population_names) and set(seen) == {"ieee"}
     assert conv.fp32_precision == before
 
 

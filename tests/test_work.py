@@ -95,15 +95,40 @@ def test_mirror_bill_counts_probe_passes_per_event():
 
 
 def test_nodepert_bill_counts_perturbed_passes_and_elementwise_apart():
-    work, f = _bill("nodepert", pert_directions=3)
+    """One step's perturbation MACs equal what forward hooks see run beyond the clean pass."""
+    import math
+
+    from lab.models.layers import Conv, local_layers
+
     model = ResNet(8, 4, dims=1, in_channels=1)
+    rule = make_rule("nodepert", model, {"pert_directions": 3}, seed=0)
+    x, y = torch.randn(4, 1, 16), torch.tensor([0, 1, 2, 3])
+    counted = {"macs": 0}
+
+    def hook(module, inputs, output):
+        per_output = (module.in_channels * math.prod(module.kernel_size)
+                      if isinstance(module, Conv) else module.in_features)
+        counted["macs"] += output.numel() * per_output
+
     sizes = []
     model(torch.randn(1, 1, 16), tap=lambda i, h: sizes.append(h[0].numel()) or h)
-    assert work["macs"] == {"forward": 100 * f, "local_correlation": 100 * f,
-                            "perturbation": 3 * 100 * f}
-    # draw, add, scale, accumulate per direction and unit; never folded into the MACs.
-    assert work["elementwise"] == {"perturbation": 4 * 3 * sum(sizes) * 100}
-    assert work["total_macs"] == 5 * 100 * f
+    handles = [m.register_forward_hook(hook) for _, m in local_layers(model)]
+    try:
+        rule.compute_gradients(x, y, 0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    f = forward_macs(model, (1, 16))
+    work = bill(rule, model, (1, 16), examples=4)
+    assert work["macs"] == {"forward": 4 * f, "local_correlation": 4 * f,
+                            "perturbation": counted["macs"] - 4 * f}
+    # Every population re-runs the layers above it, once per direction: more than the
+    # read-out alone, less than a full forward per population.
+    assert 3 * 4 * len(sizes) * model.fc.in_features < work["macs"]["perturbation"]
+    assert work["macs"]["perturbation"] < 3 * 4 * len(sizes) * f
+    # draw, scale-and-add, dot per direction and unit; never folded into the MACs.
+    assert work["elementwise"] == {"perturbation": 4 * 3 * sum(sizes) * 4}
+    assert work["total_macs"] == 2 * 4 * f + work["macs"]["perturbation"]
 
 
 def test_dfa_bill_counts_the_projection_of_every_population():

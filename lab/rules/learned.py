@@ -73,7 +73,7 @@ from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
 from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
-from .perturbation import BASES, DIFFERENCES, PerturbationEstimator
+from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below
 from .registry import register
 from .traffic import SIGNALS, _conv_weight_grad, apical_rms
 
@@ -82,10 +82,6 @@ def _need_resnet(model, name):
     if not isinstance(model, ResNet):
         raise ConfigError(f"rule {name!r} needs a lab.models.ResNet (its perturbations re-run "
                           f"the layers above a population), got {type(model).__name__}")
-
-
-def _below(hs, index):
-    return hs[index - 1] if index % 2 else None
 
 
 def _draw_batch(x, y, size, generator):
@@ -215,7 +211,7 @@ class LearnedFA(FeedbackAlignment):
             hs, loss, teaching, deltas = self.fa_signals(x, y)
         fits = []
         for (_, module), b, index, delta in zip(self.layers, self.feedback, self.reads, deltas):
-            probe = self.estimator.observe(index, hs[index], y, loss, _below(hs, index))
+            probe = self.estimator.observe(index, hs[index], y, loss, below(self.model, hs, index))
             residual = probe.residual(teaching[index])  # (B, *U)
             grad = self.b_gradient(module, delta, residual)
             curvature = probe.curvature(self.b_teaching(module, delta, grad, hs[index]))
@@ -414,7 +410,7 @@ class SDIL(Rule):
         e = output_error(logits, y)  # (B, K)
         fits = []
         for i, (h, t) in enumerate(zip(hs, self.instruction(e, hs))):
-            probe = self.estimator.observe(i, h, y, losses, _below(hs, i))
+            probe = self.estimator.observe(i, h, y, losses, below(self.model, hs, i))
             residual = probe.residual(t).flatten(1)  # (B, units)
             grad = e.T @ residual  # (K, units)
             curvature = probe.curvature((e @ grad).view_as(h))

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models.mlp import MLP
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .common import full_fp32
@@ -61,13 +62,25 @@ DIFFERENCES = ("central", "forward")
 BASES = ("gaussian", "orthogonal")
 
 
-def forward_from(model: ResNet, index: int, h: torch.Tensor, below: torch.Tensor | None = None):
+def below(model: nn.Module, hs: list[torch.Tensor], index: int) -> torch.Tensor | None:
+    """The population ``forward_from`` needs besides population ``index``: the block input
+    under a ResNet's inner population (its shortcut reads it); None otherwise."""
+    return hs[index - 1] if isinstance(model, ResNet) and index % 2 else None
+
+
+def forward_from(model: nn.Module, index: int, h: torch.Tensor,
+                 below: torch.Tensor | None = None):
     """The logits when population ``index`` reads ``h``: only the layers above re-run.
 
-    An inner population (odd index, block b) feeds that block's second conv,
-    whose shortcut reads the block's input, the population below (``below``,
-    shape (B, *U_below), repeated to h's batch when h stacks several copies).
+    For a ResNet, an inner population (odd index, block b) feeds that block's
+    second conv, whose shortcut reads the block's input, the population below
+    (``below``, shape (B, *U_below), repeated to h's batch when h stacks
+    several copies). For an MLP, the hidden layers above and the read-out.
     """
+    if isinstance(model, MLP):
+        for layer in model.hidden[index + 1:]:
+            h = F.relu(layer(h))
+        return model.fc(h)  # (B', n_classes)
     if index % 2:  # inner population of block b: finish the block
         b = (index - 1) // 2
         block = model.blocks[b]
@@ -81,8 +94,10 @@ def forward_from(model: ResNet, index: int, h: torch.Tensor, below: torch.Tensor
     return model.fc(h.mean(dim=tuple(range(2, h.ndim))))  # (B', n_classes)
 
 
-def layers_above(model: ResNet, index: int) -> list[str]:
+def layers_above(model: nn.Module, index: int) -> list[str]:
     """Names (as in ``model.layer_macs``) of the layers ``forward_from(index)`` runs."""
+    if isinstance(model, MLP):
+        return [f"hidden.{j}" for j in range(index + 1, len(model.hidden))] + ["fc"]
     if index % 2:
         b = (index - 1) // 2
         names = [f"blocks.{b}.conv2"]
@@ -131,12 +146,13 @@ class Probe:
 class PerturbationEstimator:
     """Directional derivatives of the loss at one population at a time (module docstring)."""
 
-    def __init__(self, model: ResNet, *, sigma: float, directions: int,
+    def __init__(self, model: nn.Module, *, sigma: float, directions: int,
                  difference: str = "central", basis: str = "gaussian",
                  per_example: bool = False, generator: torch.Generator, chunk: int = 64):
-        if not isinstance(model, ResNet):
-            raise ValueError(f"the perturbation estimator needs a lab.models.ResNet (it re-runs "
-                             f"the layers above a population), got {type(model).__name__}")
+        if not isinstance(model, (ResNet, MLP)):
+            raise ValueError(f"the perturbation estimator needs a lab.models ResNet or MLP (it "
+                             f"re-runs the layers above a population), got "
+                             f"{type(model).__name__}")
         if difference not in DIFFERENCES:
             raise ValueError(f"difference={difference!r} is not allowed; choose from "
                              f"{DIFFERENCES}")
