@@ -2,11 +2,13 @@
 
 Clean transport adds no multiply-accumulates (the weight-gradient product takes
 the mixed signal, the input-gradient product the clean one), only element-wise
-work: the fused mixed-apical kernel, the local norm/ReLU derivative applied to
-the used signal, and the predictor update. Steps of the two rules alternate and
-the median of each is compared, in one run::
+work: the fused ``mixed_local`` kernel (signals, sums of squares, the correction
+through the ReLU/norm derivative) and the predictor update. Steps of the two
+rules alternate and the median of each is compared, in one run. The breakdown
+splits kp_traffic's step: the fused kernel, its weight-gradient products (which
+autograd no longer computes inside KP's fused conv backward) and the rest::
 
-    .venv/bin/python benchmarks/bench_traffic.py [--repeats 7] [--batch 128] [--quick]
+    .venv/bin/python benchmarks/bench_traffic.py [--repeats 15] [--batch 128] [--quick]
 """
 
 from __future__ import annotations
@@ -17,12 +19,30 @@ import time
 
 import torch
 
+import numba_kernels
 from lab.models import ResNet
 from lab.rules import make_rule
+from lab.rules import traffic as traffic_rule
+
+SPENT: dict[str, float] = {}
+
+
+def _timed(owner, name: str) -> None:
+    """Accumulate the wall time of ``owner.name`` calls into SPENT[name]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SPENT[name] = SPENT.get(name, 0.0) + time.perf_counter() - start
+    setattr(owner, name, wrapper)
 
 
 def _step(model, rule, x, y, step):
     model.zero_grad(set_to_none=True)
+    SPENT.clear()
     start = time.perf_counter()
     rule.compute_gradients(x, y, step)
     return time.perf_counter() - start
@@ -30,7 +50,7 @@ def _step(model, rule, x, y, step):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="ResNet-8, batch 32: a smoke run")
     args = parser.parse_args()
@@ -49,14 +69,23 @@ def main() -> None:
         rule.prepare(x, y)
         _step(model, rule, x, y, 0)  # warm-up (allocator, numba compilation)
         rules[name] = (model, rule)
+    _timed(numba_kernels, "mixed_local")
+    _timed(traffic_rule, "_conv_weight_grad")
     times = {name: [] for name in rules}
+    parts = {"mixed_local": [], "_conv_weight_grad": []}
     for i in range(args.repeats):
         for name, (model, rule) in rules.items():
             times[name].append(_step(model, rule, x, y, i + 1))
+            if name == "kp_traffic":
+                for k in parts:
+                    parts[k].append(SPENT.get(k, 0.0))
     kp, traffic = statistics.median(times["kp"]), statistics.median(times["kp_traffic"])
     print(f"ResNet-{depth} 2-D, batch {batch}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}")
     print(f"kp step {1e3 * kp:.1f} ms, kp_traffic step {1e3 * traffic:.1f} ms")
+    kernel, weights = (statistics.median(parts[k]) for k in ("mixed_local", "_conv_weight_grad"))
+    print(f"  of which: fused mixed_local kernel {1e3 * kernel:.1f} ms, weight-gradient "
+          f"products {1e3 * weights:.1f} ms")
     print(f"kp_traffic / kp: {traffic / kp:.3f} (target <= 1.15)")
 
 

@@ -10,6 +10,11 @@ a per-unit predictor), and the CfC trainer's gradient merge (DESIGN section 7):
   rescaling in a second);
 - ``predictor_update(h, T, P, b, eta)``: the per-unit normalised-LMS step of the
   traffic predictor (per-unit reductions over the batch), in place;
+- ``mixed_local(I, h, o, ..., base=...)``: the same signals carried to the
+  output of the layer that made the population: the correction used - I
+  through the ReLU mask, the residual scale and the batch norm's backward
+  (per-channel reductions, then the write), added to the instruction's own
+  gradient there (kp_traffic's hot path: one kernel instead of four passes);
 - ``aux_add(dst, src)``: ``dst += src`` in place.
 
 Each exists as a CUDA kernel (``gpu.py``: numba-cuda, zero-copy on torch CUDA
@@ -25,19 +30,27 @@ Tests hold the CPU forms and the CUDA forms (on the simulator,
 PTX for sm_90.
 """
 
-from .dispatch import BACKENDS, RULES, aux_add, mixed_apical, predictor_update
-from .reference import aux_add_reference, mixed_apical_reference, predictor_update_reference
-from .results import MixedApical, PredictorStats
+from .dispatch import BACKENDS, RULES, aux_add, mixed_apical, mixed_local, predictor_update
+from .reference import (
+                        aux_add_reference,
+                        mixed_apical_reference,
+                        mixed_local_reference,
+                        predictor_update_reference,
+)
+from .results import MixedApical, MixedLocal, PredictorStats
 
 __all__ = [
     "BACKENDS",
     "RULES",
     "MixedApical",
+    "MixedLocal",
     "PredictorStats",
     "aux_add",
     "aux_add_reference",
     "mixed_apical",
     "mixed_apical_reference",
+    "mixed_local",
+    "mixed_local_reference",
     "predictor_update",
     "predictor_update_reference",
 ]

@@ -342,3 +342,184 @@ def aux_add(dst, src):
     reads src, reads and writes dst in place; 3 * itemsize bytes per element.
     """
     (_add_serial if dst.size < SERIAL_BELOW else _add_parallel)(dst, src)
+
+
+# ---- mixed local: the used signal's correction through the local derivative ----------------
+
+# Per-channel sums of the local kernel: instruction, traffic, raw, innovation (squares),
+# then the masked correction m and m * xhat (the norm's backward reductions).
+L_M, L_MX = 4, 5
+
+
+def _make_local(rule):
+    # One compiled pair of slab loops per rule (no rule branch inside a loop: the loops
+    # vectorise). A slab is one example's slice of one channel, contiguous, length S.
+    @njit(cache=True, fastmath={"reassoc", "contract"})
+    def sums(i_, h_, o_, gC, d, b, f, scale, mu, istd, zero):
+        s_i = s_t = s_r = s_n = s_m = s_mx = zero
+        for j in range(i_.size):
+            i, hv = i_[j], h_[j]
+            t, r, n = _signals(i, hv, gC[j], d[j], b[j])
+            if rule == RAW:
+                dv = t
+            elif rule == INNOVATION:
+                dv = d[j] * hv - b[j]  # the correction itself, as N = I + (it)
+            else:
+                dv = f * r - i
+            m = scale * dv if hv > zero else zero
+            xh = (o_[j] - mu) * istd
+            s_i += i * i
+            s_t += t * t
+            s_r += r * r
+            s_n += n * n
+            s_m += m
+            s_mx += m * xh
+        return s_i, s_t, s_r, s_n, s_m, s_mx
+
+    @njit(cache=True, fastmath={"contract"})
+    def write(i_, h_, o_, base, out, gC, d, b, f, scale, mu, istd, k, a, c, zero):
+        # out = base + k * (m - a - xhat * c); without a norm k = 1, a = c = 0, mu = istd = 0.
+        for j in range(i_.size):
+            i, hv = i_[j], h_[j]
+            if rule == RAW:
+                dv = gC[j] * hv
+            elif rule == INNOVATION:
+                dv = d[j] * hv - b[j]
+            else:
+                dv = f * (i + gC[j] * hv) - i
+            m = scale * dv if hv > zero else zero
+            out[j] = base[j] + k * (m - a - (o_[j] - mu) * istd * c)
+
+    @njit(cache=True)
+    def example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero):
+        # Example e, channels in memory order: its per-channel slab sums (input dtype)
+        # into part[e] (float64). A task per example, in memory order: streaming reads.
+        for ch in range(I.shape[1]):
+            mu = mean[ch] if has_norm else zero
+            sd = istd[ch] if has_norm else zero
+            x = sums(I[e, ch], h[e, ch], o[e, ch], gC[ch], d[ch], b[ch], fac[e], scale, mu,
+                     sd, zero)
+            for q in range(6):
+                part[e, ch, q] = x[q]
+
+    @njit(cache=True)
+    def example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                      e, zero):
+        for ch in range(I.shape[1]):
+            mu = mean[ch] if has_norm else zero
+            sd = istd[ch] if has_norm else zero
+            write(I[e, ch], h[e, ch], o[e, ch], base[e, ch], out[e, ch], gC[ch], d[ch], b[ch],
+                  fac[e], scale, mu, sd, kac[ch, 0], kac[ch, 1], kac[ch, 2], zero)
+
+    @njit(cache=True)
+    def combine(part, gamma, istd, has_norm, count, chan, kac):
+        # Channel sums: examples added in example order (float64); then per channel the
+        # norm's k = gamma * invstd, mean(m), mean(m xhat), rounded to the input dtype.
+        for ch in range(part.shape[1]):
+            for q in range(6):
+                acc = 0.0
+                for e in range(part.shape[0]):
+                    acc += part[e, ch, q]
+                chan[ch, q] = acc
+            if has_norm:
+                kac[ch, 0] = gamma[ch] * istd[ch]
+                kac[ch, 1] = chan[ch, L_M] / count
+                kac[ch, 2] = chan[ch, L_MX] / count
+            else:
+                kac[ch, 0] = 1.0
+                kac[ch, 1] = 0.0
+                kac[ch, 2] = 0.0
+
+    @njit(cache=True, parallel=True)
+    def parallel(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm,
+                 chan, zero):
+        B, Ch = I.shape[0], I.shape[1]
+        part = np.empty((B, Ch, 6))
+        for e in prange(B):
+            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
+        kac = np.empty((Ch, 3), dtype=I.dtype)
+        combine(part, gamma, istd, has_norm, B * I.shape[2], chan, kac)
+        for e in prange(B):
+            example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                          e, zero)
+
+    @njit(cache=True)
+    def serial(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm, chan,
+               zero):
+        B, Ch = I.shape[0], I.shape[1]
+        part = np.empty((B, Ch, 6))
+        for e in range(B):
+            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
+        kac = np.empty((Ch, 3), dtype=I.dtype)
+        combine(part, gamma, istd, has_norm, B * I.shape[2], chan, kac)
+        for e in range(B):
+            example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                          e, zero)
+
+    return serial, parallel
+
+
+_LOCAL = {rule: _make_local(rule) for rule in (RAW, INNOVATION, MATCHED)}
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _norm_row(i_, h_, gC, d, b, zero):
+    # One example's sums of squares of raw and innovation (matched's first pass).
+    s_r = s_n = zero
+    for j in range(i_.size):
+        t, r, n = _signals(i_[j], h_[j], gC[j], d[j], b[j])
+        s_r += r * r
+        s_n += n * n
+    return s_r, s_n
+
+
+@njit(cache=True, parallel=True)
+def _matched_rows(I, h, gC, d, b, rows, fac, zero):
+    # Per example: ||R_e||^2 and ||N_e||^2 (chunks of CHUNK in order, float64), the scale.
+    B, N = I.shape
+    for e in prange(B):
+        s_r = s_n = 0.0
+        for j0 in range(0, N, CHUNK):
+            j1 = min(j0 + CHUNK, N)
+            x = _norm_row(I[e, j0:j1], h[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+            s_r += np.float64(x[0])
+            s_n += np.float64(x[1])
+        rows[e, 0] = s_r
+        rows[e, 1] = s_n
+        fac[e] = math.sqrt(s_n / s_r) if s_r > 0.0 else 0.0  # rounded to the input dtype
+
+
+def mixed_local(I, h, o, base, out, C, g, P, b, rule: int, scale, mean, istd, gamma):
+    """The used signal's correction through the local derivative (numpy arrays).
+
+    I, h, o (the producing layer's output), base, out: (B, Ch, S); C, P, b: (Ch, S);
+    mean, istd, gamma: (Ch,) or None (no norm); g, scale: scalars of the input dtype.
+    out = base + local(used - I); ``out`` may be ``base`` (then updated in place).
+
+    Launch: ``prange`` over channels (the norm's sums are per channel), each task
+    both passes over its channel: sums (slab partials in the input dtype, added
+    in float64 in example order), then the writes; matched first runs a
+    ``prange`` over examples for the per-example norms. Memory contract: reads
+    I, h, o twice and base once, writes out once: 8 * itemsize bytes per
+    element (the second reads of a channel often come from cache), +4 for
+    matched's first pass; C, P, b read once per channel slab. Returns
+    float64 (Ch, 6) per-channel sums [ss I, ss T, ss R, ss N, sum m, sum m xhat]
+    and, for matched, the per-example rows (B, 2) [ss R, ss N], else None.
+    """
+    B, Ch, S = I.shape
+    gC, d, _, _, zero = _setup(I, C, g, P)
+    gC, d = gC.reshape(Ch, S), d.reshape(Ch, S)
+    rows = None
+    fac = np.ones(B, dtype=I.dtype)
+    if rule == MATCHED:
+        rows = np.empty((B, 2))
+        _matched_rows(I.reshape(B, Ch * S), h.reshape(B, Ch * S), gC.reshape(-1),
+                      d.reshape(-1), b.reshape(-1), rows, fac, zero)
+    has_norm = mean is not None
+    if not has_norm:
+        mean = istd = gamma = np.zeros(1, dtype=I.dtype)
+        o = h
+    chan = np.empty((Ch, 6))
+    kernel = _LOCAL[rule][0 if I.size < SERIAL_BELOW else 1]
+    kernel(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm, chan, zero)
+    return chan, rows

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import cpu, reference
-from .results import MixedApical, PredictorStats
+from .results import MixedApical, MixedLocal, PredictorStats
 
 RULES = ("raw", "matched", "innovation")
 BACKENDS = ("auto", "numba", "torch")
@@ -263,6 +263,111 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     return MixedApical(used, tot[4], tot[0], tot[2], tot[3], tot[1])
 
 
+def _channel_stats(name: str, t, h: torch.Tensor) -> torch.Tensor:
+    t = _tensor(name, t, h)
+    if t.shape != h.shape[1:2]:
+        raise ValueError(f"{name} ({_describe(t)}) must hold one value per channel, shape "
+                         f"({h.shape[1]},) (dim 1 of the population)")
+    return t
+
+
+def mixed_local(I, h, o, C, gain, P, b, rule: str, *, base=None, mean=None,  # noqa: E741
+                invstd=None, gamma=None, scale: float = 1.0, out=None,
+                backend: str = "auto") -> MixedLocal:
+    """The used signal of one population carried to the output of the layer that made it.
+
+    For h = relu(scale * norm(o) + shortcut) (or relu(norm(o))), with I the
+    instruction at h: ``.grad`` = base + local(used - I), where local applies the
+    ReLU mask (h > 0), ``scale`` and the batch norm's backward with the batch
+    statistics ``mean``, ``invstd`` (per channel, dim 1) and weight ``gamma`` (None:
+    1); no ``mean``: no norm. With ``base`` the instruction's own gradient at o
+    (autograd's), ``.grad`` is the used signal's gradient at o, and ``.dgamma``,
+    ``.dbeta`` (per channel) are what the correction adds to the norm's parameter
+    gradients; a zero correction (zero gain and predictor) leaves base bit for bit.
+    Sums of squares as ``mixed_apical``'s. Shapes: I, h, o, base, out (B, Ch, *S);
+    C, P, b (Ch, *S). ``out`` may be ``base`` (updated in place).
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
+    h = _population("h", h)
+    I = _population("I", I, like=h)  # noqa: E741
+    o = h if mean is None else _population("o", o, like=h)
+    C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
+    if base is not None:
+        base = _population("base", base, like=h)
+    if (mean is None) != (invstd is None) or (mean is None and gamma is not None):
+        raise ValueError("mean and invstd come together (the norm's batch statistics), and "
+                         "gamma only with them; pass none of the three for a layer without "
+                         "a norm")
+    if mean is not None:
+        mean, invstd = _channel_stats("mean", mean, h), _channel_stats("invstd", invstd, h)
+        gamma = torch.ones_like(mean) if gamma is None else _channel_stats("gamma", gamma, h)
+    g, sc = _scalar("gain", gain), _scalar("scale", scale)
+    given = out
+    if out is not None:
+        out = _in_place("out", _population("out", out, like=h))
+    form = _form(backend, h.device)
+    if form == "torch":
+        res = reference.mixed_local_reference(I, h, o, C, g, P, b, rule, base, mean, invstd,
+                                              gamma, sc)
+        if out is not None:
+            out.copy_(res.grad)
+            res = res._replace(grad=given)
+        return res
+    B, Ch = h.shape[:2]
+    S = h[0, 0].numel()
+    pop = [t.contiguous().view(B, Ch, S) for t in (I, h, o)]
+    if out is None:
+        out = torch.empty_like(pop[0])
+    grad = out.view(B, Ch, S)
+    src = torch.zeros_like(grad) if base is None else base.contiguous().view(B, Ch, S)
+    units = [t.contiguous().view(Ch, S) for t in (C, P, b)]
+    stats = None if mean is None else [t.contiguous() for t in (mean, invstd, gamma)]
+    code = cpu.RULE_CODES[rule]
+    if form == "cpu":
+        dt = h.numpy().dtype.type
+        chan, rows = cpu.mixed_local(
+            *(t.numpy() for t in pop), src.numpy(), grad.numpy(), units[0].numpy(), dt(g),
+            units[1].numpy(), units[2].numpy(), code, dt(sc),
+            *((None,) * 3 if stats is None else (t.numpy() for t in stats)))
+        chan = torch.from_numpy(chan)
+        rows = None if rows is None else torch.from_numpy(rows)
+    else:
+        from . import gpu
+
+        f64 = dict(dtype=torch.float64, device=h.device)
+        chan, rows = torch.empty((Ch, 6), **f64), torch.empty((B, 2), **f64)
+        part = torch.empty((B, Ch, 6), **f64)
+        kac = torch.empty((Ch, 3), dtype=h.dtype, device=h.device)
+        fac = torch.ones(B, dtype=h.dtype, device=h.device)
+        gC = units[0] * g  # as the reference rounds C * gain
+        d = gC - units[1]
+        if stats is None:
+            stats = [torch.zeros(1, dtype=h.dtype, device=h.device)] * 3
+        dt = np.dtype(str(h.dtype).removeprefix("torch.")).type
+        with _cuda_launch(h.device) as stream:
+            arr = _device_array
+            gpu.mixed_local(*(arr(t) for t in pop), arr(src), arr(grad), arr(gC), arr(d),
+                            arr(units[2]), arr(fac), code, dt(sc), *(arr(t) for t in stats),
+                            mean is not None, arr(chan), arr(rows), arr(part), arr(kac),
+                            stream=stream)
+        if code != cpu.MATCHED:
+            rows = None
+    tot = chan[:, :4].sum(0)  # channels in order: [instruction, traffic, raw, innovation]
+    if code == cpu.RAW:
+        ss_used = tot[2]
+    elif code == cpu.INNOVATION:
+        ss_used = tot[3]
+    else:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
+        ss_used = torch.where(rows[:, 0] > 0, rows[:, 1], 0.0).sum()
+    dgamma = dbeta = None
+    if mean is not None:
+        dgamma, dbeta = chan[:, 5].to(h.dtype), chan[:, 4].to(h.dtype)
+    _mark_written(out)
+    result = given if given is not None else out.view(h.shape)
+    return MixedLocal(result, dgamma, dbeta, ss_used, tot[0], tot[2], tot[3], tot[1])
+
+
 def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:
     """One normalised-LMS step of the per-unit predictor, in place on P and b.
 
@@ -331,5 +436,5 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     return dst
 
 
-__all__ = ["mixed_apical", "predictor_update", "aux_add", "MixedApical", "PredictorStats",
-           "RULES", "BACKENDS"]
+__all__ = ["mixed_apical", "mixed_local", "predictor_update", "aux_add", "MixedApical",
+           "MixedLocal", "PredictorStats", "RULES", "BACKENDS"]

@@ -211,8 +211,153 @@ def kernels(tpb: int = TPB) -> dict:
         for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
             dst[i] += src[i]
 
+    @cuda.jit
+    def local_rows(I, h, gC, d, b, rows, fac):
+        """Matched's first pass for ``mixed_local``: per example ||R_e||^2, ||N_e||^2, scale.
+
+        Grid min(B, 65535) blocks (grid-stride over examples), ``tpb`` threads; block e
+        reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,);
+        writes rows (B, 2) float64 and fac (B,) in the input dtype (zero where raw is
+        zero). Bytes per element: 2 * itemsize.
+        """
+        tx = cuda.threadIdx.x
+        sh = cuda.shared.array((2, tpb), float64)
+        B, M = I.shape
+        for e in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            s_r = s_n = 0.0
+            for j in range(tx, M, tpb):
+                i = I[e, j]
+                hv = h[e, j]
+                r = i + gC[j] * hv
+                n = i + (d[j] * hv - b[j])
+                s_r += float64(r) * float64(r)
+                s_n += float64(n) * float64(n)
+            sh[0, tx] = s_r
+            sh[1, tx] = s_n
+            cuda.syncthreads()
+            stride = tpb // 2
+            while stride > 0:
+                if tx < stride:
+                    sh[0, tx] += sh[0, tx + stride]
+                    sh[1, tx] += sh[1, tx + stride]
+                cuda.syncthreads()
+                stride //= 2
+            if tx == 0:
+                rows[e, 0] = sh[0, 0]
+                rows[e, 1] = sh[1, 0]
+                fac[e] = math.sqrt(sh[1, 0] / sh[0, 0]) if sh[0, 0] > 0.0 else 0.0
+            cuda.syncthreads()
+
+    @cuda.jit
+    def local_sums(I, h, o, gC, d, b, fac, rule, scale, mean, istd, has_norm, part):
+        """``mixed_local`` pass 1: per (example, channel) slab, the six sums.
+
+        Grid (Ch, min(B, 65535)), ``tpb`` threads; block (c, y) reduces the slabs (e, c)
+        for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 6) float64:
+        squares of I, T, R, N, then sum m and sum m * xhat, with the correction
+        m = scale * (used - I) where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S).
+        Bytes per element: 3 * itemsize.
+        """
+        tx = cuda.threadIdx.x
+        ch = cuda.blockIdx.x
+        sh = cuda.shared.array((6, tpb), float64)
+        B, S = I.shape[0], I.shape[2]
+        mu = float64(mean[ch]) if has_norm else 0.0
+        sd = float64(istd[ch]) if has_norm else 0.0
+        for e in range(cuda.blockIdx.y, B, cuda.gridDim.y):
+            acc = cuda.local.array(6, float64)
+            for q in range(6):
+                acc[q] = 0.0
+            f = fac[e]
+            for j in range(tx, S, tpb):
+                i = I[e, ch, j]
+                hv = h[e, ch, j]
+                t = gC[ch, j] * hv
+                r = i + t
+                corr = d[ch, j] * hv - b[ch, j]
+                n = i + corr
+                if rule == RAW:
+                    dv = t
+                elif rule == INNOVATION:
+                    dv = corr
+                else:
+                    dv = f * r - i
+                m = float64(scale * dv) if hv > 0 else 0.0
+                acc[0] += float64(i) * float64(i)
+                acc[1] += float64(t) * float64(t)
+                acc[2] += float64(r) * float64(r)
+                acc[3] += float64(n) * float64(n)
+                acc[4] += m
+                acc[5] += m * ((float64(o[e, ch, j]) - mu) * sd)
+            for q in range(6):
+                sh[q, tx] = acc[q]
+            cuda.syncthreads()
+            stride = tpb // 2
+            while stride > 0:
+                if tx < stride:
+                    for q in range(6):
+                        sh[q, tx] += sh[q, tx + stride]
+                cuda.syncthreads()
+                stride //= 2
+            if tx == 0:
+                for q in range(6):
+                    part[e, ch, q] = sh[q, 0]
+            cuda.syncthreads()
+
+    @cuda.jit
+    def local_combine(part, gamma, istd, has_norm, count, chan, kac):
+        """Per channel (one thread each): the examples' sums in example order, then the
+        norm's k = gamma * invstd, mean(m), mean(m xhat) in the input dtype (kac (Ch, 3);
+        count = B * S elements per channel). One block of ``tpb`` threads, channels
+        c = tx, tx + tpb, ..."""
+        B, Ch = part.shape[0], part.shape[1]
+        for ch in range(cuda.threadIdx.x, Ch, tpb):
+            for q in range(6):
+                acc = 0.0
+                for e in range(B):
+                    acc += part[e, ch, q]
+                chan[ch, q] = acc
+            if has_norm:
+                kac[ch, 0] = gamma[ch] * istd[ch]
+                kac[ch, 1] = chan[ch, 4] / count
+                kac[ch, 2] = chan[ch, 5] / count
+            else:
+                kac[ch, 0] = 1.0
+                kac[ch, 1] = 0.0
+                kac[ch, 2] = 0.0
+
+    @cuda.jit
+    def local_write(I, h, o, base, out, gC, d, b, fac, rule, scale, mean, istd, kac,
+                    has_norm):
+        """``mixed_local`` pass 2: out = base + k * (m - mean(m) - xhat * mean(m xhat)).
+
+        Grid-stride over the B * Ch * S elements (any grid). Reads I (matched only),
+        h, o, base (B, Ch, S); writes out (may alias base). Bytes per element:
+        4 * itemsize (5 for matched).
+        """
+        B, Ch, S = I.shape
+        for k in range(cuda.grid(1), B * Ch * S, cuda.gridsize(1)):
+            e = k // (Ch * S)
+            ch = (k // S) % Ch
+            j = k % S
+            hv = h[e, ch, j]
+            if rule == RAW:
+                dv = gC[ch, j] * hv
+            elif rule == INNOVATION:
+                dv = d[ch, j] * hv - b[ch, j]
+            else:
+                i = I[e, ch, j]
+                dv = fac[e] * (i + gC[ch, j] * hv) - i
+            m = scale * dv if hv > 0 else scale - scale
+            if has_norm:
+                xh = (o[e, ch, j] - mean[ch]) * istd[ch]
+                out[e, ch, j] = base[e, ch, j] + kac[ch, 0] * (m - kac[ch, 1] - xh * kac[ch, 2])
+            else:
+                out[e, ch, j] = base[e, ch, j] + m
+
     return dict(mixed_rows=mixed_rows, mixed_finish=mixed_finish, matched_scale=matched_scale,
-                predictor=predictor, sum_part=sum_part, add=add)
+                predictor=predictor, sum_part=sum_part, add=add, local_rows=local_rows,
+                local_sums=local_sums, local_combine=local_combine, local_write=local_write)
 
 
 def mixed_workspace_shapes(B: int, N: int, tpb: int = TPB) -> dict:
@@ -229,6 +374,27 @@ def mixed_apical(I, h, gC, P, b, rule, out, part, rows, scales, tot, stream=0, t
     k["mixed_finish"][1, tpb, stream](part, rule, rows, scales, tot)
     if rule == MATCHED:
         k["matched_scale"][grid, tpb, stream](I, h, gC, scales, out)
+
+
+def mixed_local(I, h, o, base, out, gC, d, b, fac, rule, scale, mean, istd, gamma, has_norm,
+                chan, rows, part, kac, stream=0, tpb=TPB):
+    """Launches ``mixed_local``: matched's row pass, the slab sums, the per-channel combine,
+    the write. Populations (B, Ch, S); gC (the gain times C, rounded as the reference
+    does), d = gC - P, b (Ch, S); fac (B,) ones unless matched (filled here); mean,
+    istd, gamma (Ch,) (any length-1 arrays without a norm); workspaces: rows (B, 2),
+    part (B, Ch, 6), chan (Ch, 6) float64, kac (Ch, 3) in the input dtype."""
+    k = kernels(tpb)
+    B, Ch, S = I.shape
+    if rule == MATCHED:
+        k["local_rows"][min(B, MAX_GRID_Y), tpb, stream](
+            I.reshape(B, Ch * S), h.reshape(B, Ch * S), gC.reshape(Ch * S), d.reshape(Ch * S),
+            b.reshape(Ch * S), rows, fac)
+    k["local_sums"][(Ch, min(B, MAX_GRID_Y)), tpb, stream](I, h, o, gC, d, b, fac, rule, scale,
+                                                           mean, istd, has_norm, part)
+    k["local_combine"][1, tpb, stream](part, gamma, istd, has_norm, float(B * S), chan, kac)
+    blocks = max(1, min(4096, -(-(B * Ch * S) // tpb)))
+    k["local_write"][blocks, tpb, stream](I, h, o, base, out, gC, d, b, fac, rule, scale, mean,
+                                          istd, kac, has_norm)
 
 
 def predictor_workspace_shapes(N: int, tpb: int = TPB) -> dict:
@@ -255,6 +421,7 @@ def ptx_signatures(dtype: str) -> dict:
 
     f = getattr(types, dtype)
     pop, unit, f64 = f[:, ::1], f[::1], types.float64
+    cube = f[:, :, ::1]
     return dict(
         mixed_rows=(pop, pop, unit, unit, unit, types.int64, pop, f64[:, :, ::1]),
         mixed_finish=(f64[:, :, ::1], types.int64, f64[:, ::1], unit, f64[::1]),
@@ -262,4 +429,10 @@ def ptx_signatures(dtype: str) -> dict:
         predictor=(pop, pop, unit, unit, f64, f64[:, ::1]),
         sum_part=(f64[:, ::1], f64[::1]),
         add=(unit, unit),
+        local_rows=(pop, pop, unit, unit, unit, f64[:, ::1], unit),
+        local_sums=(cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit, unit,
+                    types.boolean, f64[:, :, ::1]),
+        local_combine=(f64[:, :, ::1], unit, unit, types.boolean, f64, f64[:, ::1], pop),
+        local_write=(cube, cube, cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit,
+                     unit, pop, types.boolean),
     )

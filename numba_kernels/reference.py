@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .results import MixedApical, PredictorStats
+from .results import MixedApical, MixedLocal, PredictorStats
 
 
 def _ss(x: torch.Tensor) -> torch.Tensor:
@@ -57,3 +57,35 @@ def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:
 def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst += src`` in place."""
     return dst.add_(src)
+
+
+def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, base=None,  # noqa: E741
+                          mean=None, invstd=None, gamma=None, scale: float = 1.0) -> MixedLocal:
+    """The used signal's correction through the producing layer's local derivative.
+
+    D = used - I (raw: the traffic g*C*h; innovation: (g*C - P)*h - b; matched:
+    M - I), masked and scaled as the ReLU and residual scale pass it, m =
+    scale * D * (h > 0), then through the batch norm's backward with the batch
+    statistics (per channel, dim 1, over the batch and the spatial dims):
+    grad = base + gamma*invstd * (m - mean(m) - xhat*mean(m*xhat)), xhat =
+    (o - mean)*invstd; without a norm grad = base + m. Norm sums in float64.
+    """
+    mixed = mixed_apical_reference(I, h, C, gain, P, b, rule)
+    D = mixed.used - I if rule == "matched" else (
+        (C * gain) * h if rule == "raw" else ((C * gain - P) * h - b))
+    m = torch.where(h > 0, scale * D, torch.zeros((), dtype=D.dtype))
+    sums = (mixed.ss_used, mixed.ss_instruction, mixed.ss_raw, mixed.ss_innovation,
+            mixed.ss_traffic)
+    if mean is None:
+        grad = m if base is None else base + m
+        return MixedLocal(grad, None, None, *sums)
+    shape = (1, -1) + (1,) * (I.dim() - 2)
+    dims = tuple(d for d in range(I.dim()) if d != 1)
+    count = I.numel() // I.shape[1]
+    xhat = (o.double() - mean.double().view(shape)) * invstd.double().view(shape)
+    s_m = m.double().sum(dims)  # (channels,)
+    s_mx = (m.double() * xhat).sum(dims)
+    k = invstd.double() * (1.0 if gamma is None else gamma.double())
+    v = k.view(shape) * (m.double() - (s_m / count).view(shape) - xhat * (s_mx / count).view(shape))
+    grad = v.to(I.dtype) if base is None else base + v.to(I.dtype)
+    return MixedLocal(grad, s_mx.to(I.dtype), s_m.to(I.dtype), *sums)

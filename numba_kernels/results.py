@@ -28,3 +28,16 @@ class PredictorStats(NamedTuple):
 
     ss_residual: torch.Tensor
     ss_traffic: torch.Tensor
+
+
+class MixedLocal(NamedTuple):
+    """The used signal of one population carried to its producing layer's output."""
+
+    grad: torch.Tensor  # (B, *U) base + the correction (used - instruction) at the output
+    dgamma: torch.Tensor | None  # (channels,) the correction's share of the norm's weight grad
+    dbeta: torch.Tensor | None  # (channels,) ... and of its bias grad
+    ss_used: torch.Tensor
+    ss_instruction: torch.Tensor
+    ss_raw: torch.Tensor
+    ss_innovation: torch.Tensor
+    ss_traffic: torch.Tensor

@@ -66,6 +66,32 @@ def check_mixed(shape, dtype, rule, seed=0):
     print("ok", name)
 
 
+def check_local(shape, dtype, rule, norm, seed=6):
+    """``mixed_local`` through the dispatcher's CUDA branch (simulator) against the reference."""
+    import numba_kernels as nk
+
+    t = data(shape, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    like = t["I"]
+    o, base = (torch.randn(shape, generator=g, dtype=torch.float64).to(like) for _ in range(2))
+    Ch = shape[1]
+    stats = {}
+    if norm:
+        stats = dict(mean=torch.randn(Ch, generator=g, dtype=torch.float64).to(like),
+                     invstd=torch.rand(Ch, generator=g, dtype=torch.float64).add(0.5).to(like),
+                     gamma=torch.randn(Ch, generator=g, dtype=torch.float64).to(like))
+    args = (t["I"], t["h"], o, t["C"], 0.7, t["P"], t["b"], rule)
+    got = nk.mixed_local(*args, base=base, scale=0.5, **stats)
+    want = nk.mixed_local(*args, base=base, scale=0.5, backend="torch", **stats)
+    name = f"local {rule} {shape} {dtype.__name__} norm={norm}"
+    close(name + " grad", got.grad, want.grad, TOL[dtype])
+    if norm:
+        close(name + " dgamma", got.dgamma, want.dgamma, TOL[dtype] * 10)
+        close(name + " dbeta", got.dbeta, want.dbeta, TOL[dtype] * 10)
+    close(name + " sums", [float(x) for x in got[3:]], [float(x) for x in want[3:]], TOL[dtype])
+    print("ok", name)
+
+
 def check_predictor(shape, dtype, seed=1):
     t = data(shape, dtype, seed)
     T = t["I"]  # any (B, *U) tensor serves as the traffic to predict
@@ -107,6 +133,18 @@ def main():
     check_zero_row()
     check_exact_predictor()
     check_dispatch_cuda_branch()
+    # mixed_local, through the dispatcher's CUDA branch on 16-thread blocks: (B, C, H, W)
+    # with slabs of 35 over the blocks, one example, a flat (B, C) population (slabs of
+    # one unit); with and without a norm
+    import functools
+
+    gpu.mixed_local = functools.partial(gpu.mixed_local, tpb=TPB)
+    for dtype in (np.float32, np.float64):
+        for shape in ((3, 2, 5, 7), (1, 3, 11), (5, 9)):
+            for rule in ("raw", "matched", "innovation"):
+                for norm in (True, False):
+                    if shape == (3, 2, 5, 7) or (norm and rule != "raw"):
+                        check_local(shape, dtype, rule, norm)
 
 
 def check_zero_row():

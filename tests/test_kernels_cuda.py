@@ -33,9 +33,10 @@ def test_cuda_kernels_on_the_simulator_match_the_reference():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all simulator checks passed" in proc.stdout
     # every kernel family ran, in both dtypes
-    for what in ("mixed raw", "mixed matched", "mixed innovation", "predictor", "aux_add"):
+    for what in ("mixed raw", "mixed matched", "mixed innovation", "predictor", "aux_add",
+                 "local raw", "local matched", "local innovation"):
         for dtype in ("float32", "float64"):
-            assert any(line.startswith(f"ok {what}") and line.endswith(dtype)
+            assert any(line.startswith(f"ok {what}") and dtype in line
                        for line in proc.stdout.splitlines()), (what, dtype)
 
 
@@ -59,7 +60,7 @@ def test_every_cuda_kernel_compiles_to_ptx_for_sm90():
     # (numba.cuda stays out of this process: a simulator elsewhere needs it unimported)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ptx ")]
     count = int(proc.stdout.split("kernels ")[-1])
-    assert count == 6 and len(lines) == 2 * count, proc.stdout
+    assert count == 10 and len(lines) == 2 * count, proc.stdout
 
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -129,3 +130,28 @@ def test_gpu_predictor_update_and_aux_add(dtype):
     dst, src = p["I"].clone(), p["h"]
     want = dst + src
     assert nk.aux_add(dst, src) is dst and torch.equal(dst, want)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 3, 7), (13, 3, 29), (128, 16, 32, 32)])
+def test_gpu_mixed_local_matches_reference_and_repeats(shape, dtype):
+    import numba_kernels as nk
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    p = _population(shape, dtype)
+    g = torch.Generator().manual_seed(9)
+    o, base = (torch.randn(shape, generator=g, dtype=dtype).cuda() for _ in range(2))
+    ch = shape[1]
+    stats = dict(mean=torch.randn(ch, dtype=dtype).cuda(),
+                 invstd=torch.rand(ch, dtype=dtype).add(0.5).cuda(),
+                 gamma=torch.randn(ch, dtype=dtype).cuda())
+    args = (p["I"], p["h"], o, p["C"], p["gain"], p["P"], p["b"])
+    for rule in nk.RULES:
+        got = nk.mixed_local(*args, rule, base=base, scale=0.5, **stats)
+        want = nk.mixed_local(*args, rule, base=base, scale=0.5, backend="torch", **stats)
+        assert got.grad.is_cuda
+        assert float((got.grad - want.grad).abs().max() / want.grad.abs().max()) < tol, rule
+        assert float((got.dgamma - want.dgamma).abs().max() / want.dgamma.abs().max()) < tol
+        again = nk.mixed_local(*args, rule, base=base, scale=0.5, **stats)
+        assert torch.equal(again.grad, got.grad) and torch.equal(again.dbeta, got.dbeta)

@@ -246,3 +246,28 @@ def test_a_model_without_known_populations_is_refused():
     model = MLP(40, (16,), 10)
     with pytest.raises(ConfigError, match="kp_traffic' needs a lab.models.ResNet"):
         make_rule("kp_traffic", model, {})
+
+
+@pytest.mark.parametrize("traffic_rule", ["none", "innovation"])
+def test_the_bill_adds_no_macs_to_kp_and_counts_element_wise_work_apart(traffic_rule):
+    """Clean transport: kp_traffic's step bill is kp's; calibration, warm-up and the
+    element-wise work are billed on their own lines, per example and per unit."""
+    from lab.diagnostics.work import bill
+
+    model, rule, x, y = _calibrated(1, traffic_rule, predictor_warmup_steps=3,
+                                    predictor_batch=8, predictor_every=2)
+    kp_model, kp = _setup("kp")
+    for step in range(4):
+        rule.compute_gradients(x, y, step)
+    work, clean = bill(rule, model, (1, 40), 96), bill(kp, kp_model, (1, 40), 96)
+    f = work["forward_macs_per_example"]
+    assert {k: v for k, v in work["macs"].items()
+            if k not in ("calibration", "predictor_warmup")} == clean["macs"]
+    assert work["macs"]["predictor_warmup"] == 3 * 8 * f
+    assert work["macs"]["calibration"] == 20 * (f + rule.feedback_macs(model.layer_macs((1, 40))))
+    units = sum(p.numel() for p in rule.P)
+    assert units == sum(h[0].numel() for h in rule.last_h.values())
+    per_unit = {"none": ("mixed_apical", 12), "innovation": ("mixed_local", 30)}[traffic_rule]
+    assert work["elementwise"][per_unit[0]] == per_unit[1] * units * 96
+    # warm-up passes (3) and every second training step (2) update the predictor
+    assert work["elementwise"]["predictor"] == (3 + 2) * 8 * 8 * units

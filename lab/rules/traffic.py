@@ -26,11 +26,13 @@ populations; U enters only the local plasticity. It costs no extra
 multiply-accumulates: the conv layers' weights are switched out of autograd
 for the step, so autograd's reverse pass computes only the input-gradient
 products (through B), and each layer's weight-gradient product is computed
-once, from U, in the hook at its population. Between them lies only
-element-wise work: the local derivative of the norm and ReLU (and the
-residual add) is applied to U by re-running those element-wise operations on
-the saved layer output, and the fused kernels of ``numba_kernels`` form the
-signals and their sums of squares.
+once, from U, in a hook on the layer's output o. Between them lies only
+element-wise work, one fused kernel per population (``numba_kernels.
+mixed_local``): autograd hands the hook the instruction's gradient at o, and
+the kernel adds the correction U - I carried through the ReLU mask, residual
+scale and batch-norm backward (linear in the signal), forming the signals'
+sums of squares on the way. A zero correction leaves autograd's gradient bit
+for bit, so zero traffic gives clean KP exactly.
 
 The predictor learns only from instruction-off observations of its own unit,
 i.e. (h, T) pairs, by normalised LMS (``numba_kernels.predictor_update``):
@@ -127,10 +129,14 @@ class _Step:
     """What one pass records: layer inputs and outputs, norm statistics, populations."""
 
     def __init__(self):
-        self.inputs: dict[int, torch.Tensor] = {}  # id(conv) -> its input (detached)
-        self.outputs: dict[int, torch.Tensor] = {}  # id(conv) -> its output (detached)
+        self.inputs: dict[int, torch.Tensor] = {}  # population -> its conv's input (detached)
+        self.outputs: dict[int, torch.Tensor] = {}  # population -> its conv's output o
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(norm) -> mean, invstd
         self.h: dict[int, torch.Tensor] = {}  # population index -> h (detached)
+        self.instruction: dict[int, torch.Tensor] = {}  # population -> d mean-loss / dh
+        self.hooked: set[int] = set()  # populations whose conv output has a backward hook
+        self.norm_grads: dict[int, tuple] = {}  # population -> the correction's norm grads
+        self.batch, self.logged = 0, False
 
 
 @register
@@ -186,20 +192,27 @@ class KolenPollackTraffic(KolenPollack):
     def _recording(self, step: _Step, local: bool):
         """Forward hooks that save what the hooks at the populations need.
 
-        With ``local`` the conv and norm parameters leave autograd for the
-        pass, so the reverse pass computes input gradients only; each layer's
-        weight gradient is then computed once, from the used signal.
+        With ``local`` the conv weights and biases leave autograd for the pass,
+        so the reverse pass computes their input gradients only (through B);
+        each conv's weight gradient is computed once, from the used signal, by
+        a hook on its output, which receives autograd's gradient there for the
+        instruction. The norms' parameters stay in autograd: their gradients
+        for the instruction come out of the norm's backward at no extra pass,
+        and the used signal's correction is added after the backward.
         """
         handles, frozen = [], []
-        for p in self.producers:
-            def save(module, inputs, output, conv=p.conv):
-                step.inputs[id(conv)] = inputs[0].detach()
-                step.outputs[id(conv)] = output.detach()
+        for index, p in enumerate(self.producers):
+            def save(module, inputs, output, index=index):
+                step.inputs[index] = inputs[0].detach()
+                step.outputs[index] = output.detach()
+                if local and output.requires_grad:
+                    step.hooked.add(index)
+                    output.register_hook(lambda g, i=index: self._at_output(i, g, step))
             handles.append(p.conv.register_forward_hook(save))
             if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
                 handles.append(p.norm.register_forward_hook(_save_stats(step)))
             if local:
-                frozen += [t for t in (p.conv.weight, p.conv.bias, *p.norm.parameters())
+                frozen += [t for t in (p.conv.weight, p.conv.bias)
                            if t is not None and t.requires_grad]
         for t in frozen:
             t.requires_grad_(False)
@@ -211,15 +224,14 @@ class KolenPollackTraffic(KolenPollack):
             for handle in handles:
                 handle.remove()
 
-    def _local(self, index: int, step: _Step, signal: torch.Tensor):
-        """Apply the population's local derivative to ``signal`` (d mean-loss / dh).
+    def _local(self, index: int, step: _Step, signal: torch.Tensor) -> torch.Tensor:
+        """The gradient at the producing layer's output o for ``signal`` (d mean-loss / dh).
 
-        The element-wise path from the producing layer's output o to the
-        population is ReLU(scale x norm(o) + shortcut): its derivative is the
-        ReLU mask (h > 0), the residual scale, and the norm's backward with the
-        batch statistics its forward pass saved, i.e. the very operations
-        autograd runs for the instruction, applied to ``signal``. Returns the
-        gradient at o and the norm's parameter gradients.
+        The element-wise path from o to the population is ReLU(scale x norm(o)
+        + shortcut): the ReLU mask (h > 0), the residual scale, and the norm's
+        backward with the batch statistics its forward pass saved, i.e. the
+        very operations autograd runs. Needed where autograd has no graph at
+        o: the stem, whose input and (frozen) weights need no gradient.
         """
         p = self.producers[index]
         # ReLU's backward as autograd runs it: one fused pass, no mask tensor.
@@ -227,12 +239,11 @@ class KolenPollackTraffic(KolenPollack):
         if p.block is not None:
             masked = masked * p.scale  # as autograd does for scale * norm(o), 1.0 included
         if not isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
-            return masked, ()
+            return masked
         mean, invstd = step.stats[id(p.norm)]
-        grad_o, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-            masked, step.outputs[id(p.conv)], p.norm.weight, None, None, mean, invstd, True,
-            p.norm.eps, [True, True, True])
-        return grad_o, (grad_w, grad_b)
+        return torch.ops.aten.native_batch_norm_backward(
+            masked, step.outputs[index], p.norm.weight, None, None, mean, invstd, True,
+            p.norm.eps, [True, False, False])[0]
 
     # -- the step ---------------------------------------------------------------
 
@@ -247,13 +258,14 @@ class KolenPollackTraffic(KolenPollack):
         rec = _Step()
         teaching: dict[int, torch.Tensor] = {}
         batch = len(y)
+        rec.batch, rec.logged = batch, step is not None
 
         def tap(index, h):
             rec.h[index] = h.detach()
-            if not h.requires_grad:  # the stem: nothing below needs its input gradient
+            if not h.requires_grad:  # the stem without a norm: nothing below needs it
                 h = h.detach().requires_grad_(True)
             h.register_hook(lambda g, i=index: self._at_population(
-                i, g, rec, teaching if record else None, batch, step))
+                i, g, rec, teaching if record else None))
             return h
 
         with self._recording(rec, local=True):
@@ -261,6 +273,9 @@ class KolenPollackTraffic(KolenPollack):
             self._ensure_shapes(rec)
             loss = F.cross_entropy(logits, y)
             loss.backward()
+        for index, grads in rec.norm_grads.items():  # the correction's share, after autograd's
+            for param, grad in zip(self.producers[index].norm.parameters(), grads):
+                param.grad += grad
         for (_, module), b in zip(self.layers, self.feedback):
             b.grad = module.weight.grad.clone()  # KP: B gets W's (mixed-signal) update
         if step is not None:
@@ -272,35 +287,54 @@ class KolenPollackTraffic(KolenPollack):
         out = [teaching[i] for i in sorted(teaching)] if record else None
         return StepResult(loss.detach(), logits.detach(), out)
 
-    def _at_population(self, index, g, rec: _Step, teaching, batch, step):
+    def _at_population(self, index, g, rec: _Step, teaching):
         """Backward hook at population ``index``: g = d mean-loss / dh, carried down unchanged."""
         g = g.detach()
         if teaching is not None:
-            teaching[index] = g * batch  # (B, *U) the instruction, d sum-loss / dh
-        h = rec.h[index]
-        # The kernel works in the gradient's own (batch-mean) units: traffic and predictor
-        # scaled by 1 / B. Then with no traffic the used signal is g itself, bit for bit,
-        # and the layer learns exactly as under clean KP.
-        clean = self.params.traffic_rule == "none"
-        mixed = numba_kernels.mixed_apical(
-            g, h, self.coefficients[index], self.gains[index] / batch, self.P[index] / batch,
-            self.b[index] / batch, "innovation" if clean else self.params.traffic_rule)
-        used = g if clean else mixed.used
-        if step is not None:
+            teaching[index] = g * rec.batch  # (B, *U) the instruction, d sum-loss / dh
+        rec.instruction[index] = g
+        if index not in rec.hooked:  # no graph at the layer's output (the stem)
+            self._at_output(index, self._local(index, rec, g), rec)
+        return None  # transport stays clean
+
+    def _at_output(self, index, base, rec: _Step):
+        """Hook at the output o of the layer that made population ``index``.
+
+        base = the instruction's gradient at o (autograd's). The layer's weight
+        gradient takes the used signal's: base plus the correction (used - I)
+        carried through the ReLU mask, residual scale and norm backward by one
+        fused kernel, which also forms the signals' sums of squares.
+        """
+        p, h, g, batch = self.producers[index], rec.h[index], rec.instruction[index], rec.batch
+        # The kernels work in the gradient's own (batch-mean) units: traffic and predictor
+        # scaled by 1 / B. With no traffic the correction is zero and the layer learns
+        # from base itself, bit for bit as under clean KP.
+        gain, P, b = self.gains[index] / batch, self.P[index] / batch, self.b[index] / batch
+        if self.params.traffic_rule == "none":
+            mixed = numba_kernels.mixed_apical(g, h, self.coefficients[index], gain, P, b,
+                                               "innovation")
+            mixed = mixed._replace(ss_used=mixed.ss_instruction)
+            signal = base
+        else:
+            stats = {}
+            if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
+                mean, invstd = rec.stats[id(p.norm)]
+                stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight)
+            mixed = numba_kernels.mixed_local(
+                g, h, rec.outputs[index], self.coefficients[index], gain, P, b,
+                self.params.traffic_rule, base=base, scale=p.scale, **stats)
+            signal = mixed.grad
+            if stats:
+                rec.norm_grads[index] = (mixed.dgamma, mixed.dbeta)
+        if rec.logged:
             for name in SIGNALS:  # back to d sum-loss / dh units
-                ss = mixed.ss_instruction if clean and name == "used" else \
-                    getattr(mixed, f"ss_{name}")
-                self.sums[name][index] += float(ss) * batch ** 2
+                self.sums[name][index] += float(getattr(mixed, f"ss_{name}")) * batch ** 2
             self.numels[index] += h.numel()
-        p = self.producers[index]
-        signal, norm_grads = self._local(index, rec, used)
-        grad_w, grad_b = _conv_weight_grad(p.conv, signal, rec.inputs[id(p.conv)])
+        grad_w, grad_b = _conv_weight_grad(p.conv, signal, rec.inputs[index])
         p.conv.weight.grad = grad_w
         if p.conv.bias is not None:
             p.conv.bias.grad = grad_b
-        for param, grad in zip(p.norm.parameters(), norm_grads):
-            param.grad = grad
-        return None  # transport stays clean
+        return None
 
     def predict(self, hs: dict[int, torch.Tensor]) -> None:
         """One predictor step on instruction-off observations (h, T = g C h) of each unit."""
@@ -466,11 +500,14 @@ class KolenPollackTraffic(KolenPollack):
 
     def elementwise(self, examples):
         units = sum(p.numel() for p in self.P if p is not None)
-        per_example = 12 * units  # traffic, raw, innovation, selection, 5 sums of squares
-        local = 10 * units  # norm + residual + ReLU re-run forward and backward
+        if self.params.traffic_rule == "none":  # signals and sums of squares only
+            apical = {"mixed_apical": 12 * units * examples}
+        else:
+            # Pass 1: traffic, raw, correction, innovation, mask, xhat and six sums;
+            # pass 2: the correction, mask, xhat and base + k (m - a - xhat c).
+            apical = {"mixed_local": 30 * units * examples}
         updates = self.predictor_updates * self.params.predictor_batch * 8 * units
-        return {**super().elementwise(examples), "mixed_apical": per_example * examples,
-                "local_derivative": local * examples, "predictor": updates}
+        return {**super().elementwise(examples), **apical, "predictor": updates}
 
 
 def apical_rms(names: list[str], sums: dict, numels: list[int]) -> dict:
