@@ -7,7 +7,14 @@ ratio of medians is printed. If BioTorch is installed
 (``pip install --no-deps biotorch==0.0.16``), its ``fa`` ResNet-20 is timed
 in the same rounds.
 
-    python benchmarks/bench_rules.py [--rounds 15] [--rules bp,fa,kp]
+Learned feedback (lhfa, sdil) is then split against fa, on the MNIST-1D shape
+its protocol trains (1-D ResNet-20, batch 128 of 1 x 40): ordinary steps (no
+calibration event due; full step with the SGD step) and calibration events
+(``rule.calibrate(x, y)``: the clean pass, the perturbed passes at every
+population, the feedback update) timed apart, interleaved with fa's steps, and
+the amortised step at ``--every`` (the protocol's ``pert_every``).
+
+    python benchmarks/bench_rules.py [--rounds 15] [--rules bp,fa,kp] [--every 8]
 """
 
 from __future__ import annotations
@@ -22,11 +29,15 @@ import torch.nn.functional as F
 from lab.models import ResNet
 from lab.rules import RULES, make_rule
 
+LEARNED = ("lhfa", "sdil")
 
-def _lab_step(rule_name, x, y):
+
+def _lab_step(rule_name, x, y, dims=2, params=None):
     torch.manual_seed(0)
-    model = ResNet(20, 16, dims=2, in_channels=3)
-    rule = make_rule(rule_name, model, seed=0)
+    model = ResNet(20, 16, dims=dims, in_channels=x.shape[1])
+    if rule_name in LEARNED:  # ordinary steps: no calibration event falls due
+        params = {"pert_every": 10 ** 9, **(params or {})}
+    rule = make_rule(rule_name, model, params or {}, seed=0)
     # As the trainer builds it: the rule's tensors beside the model's, its own groups apart.
     groups = [{"params": list(model.parameters()) + rule.parameters()}] + rule.param_groups()
     opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9)
@@ -37,7 +48,35 @@ def _lab_step(rule_name, x, y):
         rule.compute_gradients(x, y, state["step"])
         opt.step()
         state["step"] += 1
+    step.rule = rule
     return step
+
+
+def learned_split(rounds: int, every: int) -> None:
+    """lhfa and sdil against fa on the MNIST-1D shape: ordinary steps and events apart."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 1, 40, generator=g), torch.randint(0, 10, (128,), generator=g)
+    steps = {name: _lab_step(name, x, y, dims=1) for name in ("fa", *LEARNED)}
+    for step in steps.values():
+        step(), step()
+    times = {k: [] for k in (*steps, *(f"{n} event" for n in LEARNED))}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+            if name in LEARNED:
+                start = time.perf_counter()
+                step.rule.calibrate(x, y)
+                times[f"{name} event"].append(time.perf_counter() - start)
+    fa = statistics.median(times["fa"])
+    print(f"\nlearned feedback, 1-D ResNet-20, batch 128 x 1 x 40: fa step {1e3 * fa:.1f} ms; "
+          f"{steps['lhfa'].rule.params.pert_directions} directions per population and event")
+    print(f"{'rule':<6} {'step / fa':>10} {'event / fa':>11} {f'amortised at every={every}':>26}")
+    for name in LEARNED:
+        step, event = statistics.median(times[name]), statistics.median(times[f"{name} event"])
+        amortised = (step + event / every) / fa
+        print(f"{name:<6} {step / fa:>10.2f} {event / fa:>11.1f} {amortised:>26.2f}")
 
 
 def _biotorch_fa_resnet20():
@@ -83,6 +122,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--rules", default=",".join(sorted(RULES)))
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--every", type=int, default=8, help="lhfa/sdil pert_every")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, 32, 32, generator=g)
@@ -109,6 +149,8 @@ def main():
     if "biotorch-fa" in times and "fa" in times:
         ratio = statistics.median(times["fa"]) / statistics.median(times["biotorch-fa"])
         print(f"lab fa / BioTorch fa = {ratio:.3f}")
+    if set(LEARNED) <= set(steps):
+        learned_split(args.rounds, args.every)
 
 
 if __name__ == "__main__":

@@ -271,3 +271,88 @@ def test_the_bill_adds_no_macs_to_kp_and_counts_element_wise_work_apart(traffic_
     assert work["elementwise"][per_unit[0]] == per_unit[1] * units * 96
     # warm-up passes (3) and every second training step (2) update the predictor
     assert work["elementwise"]["predictor"] == (3 + 2) * 8 * 8 * units
+
+
+def _true_gradients(model, x, y):
+    """d(sum loss)/dh per population by plain autograd on a copy without feedback."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from lab.models.layers import local_layers
+
+    twin = copy.deepcopy(model)
+    for _, m in local_layers(twin):
+        m.feedback = None
+    hs = []
+    logits = twin(x, tap=lambda i, h: hs.append(h) or h)
+    grads = torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), hs)
+    return [h.detach() for h in hs], list(grads)
+
+
+def _kp_instruction(model, x, y):
+    """KP's instruction d(sum loss)/dh through the feedback tensors, by plain autograd."""
+    import torch.nn.functional as F
+
+    from lab.models.state import preserved_norm_stats
+
+    hs = []
+    with preserved_norm_stats(model):
+        logits = model(x, tap=lambda i, h: hs.append(h) or h)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        hs = [h for h in hs if h.requires_grad]
+        grads = torch.autograd.grad(loss, hs, allow_unused=True)
+    return list(grads)
+
+
+def _cos_examples(a, b):
+    """Mean over examples (both non-zero) of the cosine, computed directly."""
+    vals = []
+    for u, v in zip(a.flatten(1), b.flatten(1)):
+        if u.norm() > 0 and v.norm() > 0:
+            vals.append(float(u @ v / (u.norm() * v.norm())))
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+@pytest.mark.parametrize("traffic_rule", ["none", "raw", "innovation", "matched"])
+def test_final_metrics_against_independent_values(traffic_rule):
+    """Residual ratio, gains, silent count and every signal's alignment with autograd's
+    gradient, each recomputed here from its definition; the call changes no state."""
+    model, rule, x, y = _calibrated(1, traffic_rule, predictor_warmup_steps=2,
+                                    predictor_batch=8)
+    with torch.no_grad():  # a predictor that is neither exact nor zero
+        for i, p in enumerate(rule.P):
+            p.copy_(0.5 * rule.gains[i] * rule.coefficients[i])
+            rule.b[i].fill_(0.01 * (i + 1))
+    model.train()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    P_before = [p.clone() for p in rule.P]
+    final = rule.final_metrics(x, y)
+    assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in buffers.items())
+    assert all(torch.equal(a, b) for a, b in zip(P_before, rule.P))
+
+    hs, true = _true_gradients(model, x, y)
+    kp_teaching = _kp_instruction(model, x, y)
+    ss_r = ss_t = 0.0
+    names = model.population_names
+    for i, h in enumerate(hs):
+        traffic = rule.gains[i] * rule.coefficients[i] * h
+        ss_r += float((traffic - (rule.P[i] * h + rule.b[i])).square().sum())
+        ss_t += float(traffic.square().sum())
+        instr = kp_teaching[i]
+        raw = instr + traffic
+        innov = raw - (rule.P[i] * h + rule.b[i])
+        norms = innov.flatten(1).norm(dim=1) / raw.flatten(1).norm(dim=1)
+        matched = raw * norms.view(-1, *[1] * (raw.ndim - 1))
+        want = {"instruction": instr, "raw": raw, "innovation": innov, "matched": matched}
+        want["used"] = want["instruction" if traffic_rule == "none" else traffic_rule]
+        for s, signal in want.items():
+            got = final["signal_alignment"][s][names[i]]
+            assert abs(got - _cos_examples(signal, true[i])) < 1e-9, (s, i)
+    assert abs(final["predictor_residual_ratio"] - (ss_r / ss_t) ** 0.5) < 1e-12
+    assert final["gains"] == rule.gains and final["silent_populations"] == sum(
+        int(h.abs().max() == 0) for h in hs)
+    for s, per in final["signal_alignment"].items():
+        values = [v for k, v in per.items() if k != "mean" and v == v]
+        assert abs(per["mean"] - sum(values) / len(values)) < 1e-12, s
+    assert final["warmup"]["first_ratio"] > final["warmup"]["last_ratio"] >= 0
