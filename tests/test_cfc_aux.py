@@ -4,7 +4,10 @@ autograd, separate optimizers, the lift and its window, the constant-signal run,
 from __future__ import annotations
 
 import dataclasses
+import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,7 @@ from analysis import find_problems
 from lab import records
 from lab.config import ConfigError
 from lab.data import DataError
+from lab.data.prices import MultiHorizonLoader, synthetic_prices, vega_prices
 from lab.train import cfc_aux
 from lab.train.cfc_aux import CfCAuxConfig, build_run, forward_losses, train_cfc_aux, train_step
 
@@ -258,3 +262,315 @@ def test_health_emas_start_as_averages_then_decay():
     fresh = cfc_aux.AuxHealth(2, decay=0.9)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+# --- Oracles that pin exact numbers, wiring and the record (issue 15, mutation testing) ----------
+
+
+def test_csv_source_needs_both_the_file_and_the_column():
+    for kw in (dict(csv_path="p.csv"), dict(column="close"), {}):
+        with pytest.raises(ConfigError, match=r"^CfCAuxConfig\.source='csv' needs csv_path "
+                                              r"\(the file\) and column \(the price column\)"):
+            CfCAuxConfig(source="csv", **kw)
+    assert CfCAuxConfig(source="csv", csv_path="p.csv", column="close").column == "close"
+
+
+def test_load_prices_passes_every_source_setting(tmp_path):
+    config = CfCAuxConfig(source="synthetic", synthetic="regimes", synthetic_length=321,
+                          drift=0.003, volatility=0.02, regime_length=7, seed=5)
+    prices, name = cfc_aux.load_prices(config)
+    expected = synthetic_prices("regimes", length=321, drift=0.003, volatility=0.02,
+                                regime_length=7, seed=5)
+    np.testing.assert_array_equal(prices, expected)
+    assert name == "synthetic regimes"
+    prices, name = cfc_aux.load_prices(CfCAuxConfig(source="vega", symbol="IBM"))
+    np.testing.assert_array_equal(prices, vega_prices("IBM"))
+    assert name == "vega_datasets stocks IBM"
+    path = tmp_path / "p.csv"
+    path.write_text("close\n1\n2\n4\n")
+    prices, name = cfc_aux.load_prices(CfCAuxConfig(source="csv", csv_path=str(path),
+                                                    column="close"))
+    np.testing.assert_array_equal(prices, [1.0, 2.0, 4.0])
+    assert name == f"{path}:close"
+
+
+def test_run_data_is_the_loader_built_from_the_config():
+    config = _config(val_fraction=0.5)
+    run = build_run(config)
+    prices, _ = cfc_aux.load_prices(config)
+    ref = MultiHorizonLoader(prices, window=6, seq_len=5, horizons=(1, 3, 8), main_horizon=3,
+                             val_fraction=0.5)
+    assert torch.equal(run.data.train_ends, ref.train_ends)
+    assert torch.equal(run.data.val_ends, ref.val_ends)
+    for field in ("features", "long", "short", "direction"):
+        assert torch.equal(getattr(run.data, field), getattr(ref, field))
+    # The loader knows the series by its source's name (it is in the loader's errors).
+    with pytest.raises(DataError, match=r"^synthetic random_walk has 20 prices, too short"):
+        build_run(_config(synthetic_length=20))
+
+
+def test_build_run_puts_data_and_every_module_on_the_resolved_device(monkeypatch):
+    # 'meta' stands in for an accelerator: nothing may stay on the CPU default.
+    monkeypatch.setattr(cfc_aux, "resolve_device", lambda name: torch.device("meta"))
+    run = build_run(_config())
+    assert run.device.type == "meta"
+    for field in ("features", "long", "short", "direction"):
+        assert getattr(run.data, field).device.type == "meta"
+    for module in (run.encoder, run.main, run.aux):
+        assert all(p.device.type == "meta" for p in module.parameters())
+        assert all(b.device.type == "meta" for b in module.buffers())
+
+
+def test_optimizers_read_their_learning_rates_from_the_config():
+    run = build_run(_config(lr=2.5e-3, aux_lr=7e-4))
+    assert [g["lr"] for g in run.opt_main.param_groups] == [2.5e-3]
+    assert [g["lr"] for g in run.opt_aux.param_groups] == [7e-4]
+
+
+def test_encoder_is_two_linear_tanh_layers():
+    torch.manual_seed(0)
+    enc = cfc_aux.Encoder(6, 8).double()
+    first, second = [m for m in enc.net if isinstance(m, torch.nn.Linear)]
+    assert first.weight.shape == (8, 6) and second.weight.shape == (8, 8)
+    x = torch.randn(3, 5, 6, dtype=torch.float64)  # (B, T, window)
+    expected = torch.tanh(torch.tanh(x @ first.weight.T + first.bias) @ second.weight.T
+                          + second.bias)
+    torch.testing.assert_close(enc(x), expected, rtol=1e-12, atol=0)
+
+
+def test_trunks_and_heads_follow_the_config():
+    config = _config(mode="pure", activation="silu", backbone_units=7)
+    run = build_run(config)
+    for trunk, units in ((run.main.trunk, 12), (run.aux.trunk, 10)):
+        cell = trunk.cell
+        assert (cell.mode, cell.activation) == ("pure", "silu")
+        assert (cell.input_size, cell.hidden_size) == (8, units)
+        assert cell.backbone[0].out_features == 7 and cell.heads.in_features == 7
+    assert (run.main.head.in_features, run.main.head.out_features) == (12, 1)
+    assert (run.aux.heads.in_features, run.aux.heads.out_features) == (10, 6)
+    default = build_run(_config()).main.trunk.cell
+    assert (default.mode, default.activation) == ("default", "lecun_tanh")
+
+
+def _huber(d, delta):
+    a = d.abs()
+    return torch.where(a <= delta, 0.5 * d**2, delta * (a - 0.5 * delta))
+
+
+def test_forward_losses_match_a_direct_float64_computation():
+    """Huber (own delta, both branches), BCE and the direction accuracy, with ties."""
+    run = build_run(_config(huber_delta=0.05))
+    for module in (run.encoder, run.main, run.aux):
+        module.double()
+    b = run.data.sample(16, torch.Generator().manual_seed(3))
+    long_t, short_t = b.long.double(), b.short.double().clone()
+    short_t[:5] = long_t[:5]  # outcome ties: long > short is False there
+    with torch.no_grad():  # prediction ties on the first horizon: both heads the same row
+        run.aux.heads.weight[3] = run.aux.heads.weight[0]
+        run.aux.heads.bias[3] = run.aux.heads.bias[0]
+    batch = SimpleNamespace(x=b.x.double(), long=long_t, short=short_t,
+                            direction=b.direction.double())
+    out = forward_losses(run, batch, lifted=False)
+
+    e = run.encoder(batch.x)
+    z = run.main.head(run.main.trunk(e)[1])[:, 0]
+    y = run.aux.heads(run.aux.trunk(e)[1])
+    long_p, short_p = y[:, :3], y[:, 3:]
+    assert torch.equal(long_p[:, 0], short_p[:, 0]) and (long_t[:5] == short_t[:5]).all()
+    d = torch.cat([long_p - long_t, short_p - short_t])
+    assert (d.abs() < 0.05).any() and (d.abs() > 0.05).any()  # both Huber branches
+    per_h = 0.5 * (_huber(long_p - long_t, 0.05) + _huber(short_p - short_t, 0.05)).mean(0)
+    torch.testing.assert_close(out["aux_huber"], per_h.detach(), rtol=1e-10, atol=0)
+    torch.testing.assert_close(out["aux_loss"], per_h.sum(), rtol=1e-10, atol=0)
+    p = torch.sigmoid(z)
+    bce = -(batch.direction * p.log() + (1 - batch.direction) * (1 - p).log()).mean()
+    torch.testing.assert_close(out["loss"], bce, rtol=1e-10, atol=0)
+    torch.testing.assert_close(out["logits"], z, rtol=1e-12, atol=0)
+    acc = ((long_p > short_p) == (long_t > short_t)).double().mean(0)
+    assert out["aux_acc"].tolist() == acc.tolist()
+    assert acc[0] == (long_t[:, 0] <= short_t[:, 0]).double().mean()  # the tie counts as "not >"
+
+
+def test_health_first_update_takes_the_value_exactly():
+    health = cfc_aux.AuxHealth(3, decay=0.95)
+    health.update([0.1, 0.7, 2.3], [0.3, 0.0625, 0.9])
+    assert health.huber == [0.1, 0.7, 2.3] and health.acc == [0.3, 0.0625, 0.9]
+    assert health.updates == 1 and not health.lifted and health.lift_step is None
+
+
+def _preview(run):
+    """The aux Huber and accuracy of the batch the next train_step draws (same params)."""
+    state = run.generator.get_state()
+    batch = run.data.sample(run.config.batch_size, run.generator)
+    run.generator.set_state(state)
+    out = forward_losses(run, batch, False)
+    return out["aux_huber"].tolist(), out["aux_acc"].tolist(), batch
+
+
+def test_train_step_row_is_recomputed_from_its_batch(monkeypatch):
+    run = build_run(_config())
+    with torch.no_grad():
+        run.main.head.bias.fill_(0.5)  # logits near 0.5: some in (0, 1), so "> 0" is tested
+    seen = []
+    real = cfc_aux.forward_losses
+
+    def spy(r, batch, lifted):
+        seen.append((batch, real(r, batch, lifted)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(cfc_aux, "forward_losses", spy)
+    huber, acc, _ = _preview(run)
+    seen.clear()
+    row = train_step(run, 0)
+    (batch, out), = seen
+    z = out["logits"].detach()
+    assert ((z > 0) & (z < 1)).any() and (z > 1).any() is not None
+    assert row["train_acc"] == float(((z > 0).float() == batch.direction).float().mean())
+    assert 0 < row["train_acc"] < 1 and row["train_acc"] != 0.5
+    assert row["train_loss"] == float(F.binary_cross_entropy_with_logits(z, batch.direction))
+    # First update: the EMAs are this batch's values exactly.
+    assert list(row["aux_huber_ema"].values()) == huber
+    assert list(row["aux_acc_ema"].values()) == acc
+    # A zero head gives logits of exactly 0: predicted "down" for all (0 is not > 0).
+    with torch.no_grad():
+        run.main.head.weight.zero_()
+        run.main.head.bias.zero_()
+    seen.clear()
+    row = train_step(run, 1)
+    (batch, out), = seen
+    assert torch.equal(out["logits"].detach(), torch.zeros(16))
+    assert 0 < batch.direction.mean() < 1 and batch.direction.mean() != 0.5
+    assert row["train_acc"] == float((batch.direction == 0).float().mean())
+
+
+def test_lift_window_is_exclusive_and_the_lift_irreversible():
+    config = _config(lift_huber=50.0, lift_acc=0.0, lift_window=4)
+    run = build_run(config)
+    row = train_step(run, 4)  # healthy, but step 4 is outside a window of 4 steps (0..3)
+    assert min(row["aux_acc_ema"].values()) > 0.0
+    assert row["lifted"] == 0 and row["lift_step"] is None and not run.health.lifted
+    row = train_step(run, 3)
+    assert row["lifted"] == 1 and row["lift_step"] == 3
+    run.config = dataclasses.replace(config, lift_huber=1e-9, lift_acc=1.0)  # never healthy
+    row = train_step(run, 2)
+    assert row["lifted"] == 1 and row["lift_step"] == 3 and run.health.lifted
+
+
+def test_lift_thresholds_are_strict():
+    """Huber EMA < lift_huber and accuracy EMA > lift_acc: equality does not lift."""
+    config = _config(lift_window=0)
+    run = build_run(config)
+    huber, acc, _ = _preview(run)
+    run.config = dataclasses.replace(config, lift_huber=max(huber), lift_acc=0.0)
+    assert train_step(run, 0)["lifted"] == 0
+    run = build_run(config)
+    run.config = dataclasses.replace(config, lift_huber=2 * max(huber), lift_acc=min(acc))
+    assert train_step(run, 0)["lifted"] == 0
+    run = build_run(config)  # just inside both bounds: it lifts
+    run.config = dataclasses.replace(config, lift_huber=max(huber) * (1 + 1e-6),
+                                     lift_acc=min(acc) - 1e-6)
+    row = train_step(run, 0)
+    assert row["lifted"] == 1 and row["lift_step"] == 0
+
+
+def test_expectation_without_periodic_validation():
+    expect = cfc_aux.expectation(_config(eval_every=0))
+    assert expect.periodic == () and expect.final == ("val_loss", "val_acc")
+    assert cfc_aux.expectation(_config()).final == ("val_loss", "val_acc")
+    rows = train_cfc_aux(_config(eval_every=0, steps=3))["steps"]
+    assert all(r["val_loss"] is None and r["val_acc"] is None for r in rows)
+
+
+def test_record_holds_the_run_its_final_metrics_and_bill(tmp_path, capsys):
+    config = _config(steps=7, eval_every=3, progress=True, lift_huber=50.0, lift_acc=0.0,
+                     lift_window=0)
+    start = time.perf_counter()
+    record = train_cfc_aux(config, tmp_path / "r", run_id="my-run")
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    rows = record["steps"]
+    assert record["run_id"] == "my-run" and record["kind"] == "cfc_aux"
+    assert record["environment"]["device"] == "cpu" and record["status"] == "complete"
+    # The progress bar: its label and the last row's loss and lift state.
+    assert "cfc-aux lift seed 0" in err
+    assert f"lifted=1, loss={rows[-1]['train_loss']:.3f}]" in err  # tqdm sorts the keys
+    for r in rows:
+        if (r["step"] + 1) % 3:
+            assert r["val_loss"] is None and r["val_acc"] is None
+        else:
+            assert r["val_loss"] is not None and r["val_acc"] is not None
+    assert record["work"]["optimizer_steps"] == 7
+    assert record["work"]["train_examples"] == 7 * 16
+    assert 0 < record["work"]["train_wall_s"] < elapsed
+    # Final metrics recomputed from the checkpointed model; the checkpoint names every part.
+    ckpt = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
+    assert set(ckpt["parts"]) == {"encoder", "main", "opt_main", "health", "generator", "aux",
+                                  "opt_aux"}
+    run = build_run(config)
+    assert ckpt["baseline"] == cfc_aux.initial_loss(run) == rows[0]["train_loss"]
+    run.encoder.load_state_dict(ckpt["parts"]["encoder"])
+    run.main.load_state_dict(ckpt["parts"]["main"])
+    final = record["final"]
+    assert {k: final[k] for k in ("val_loss", "val_acc")} == cfc_aux.evaluate(run)
+    assert final["val_up_fraction"] == float(run.data.validation().direction.mean())
+    assert final["lifted"] == 1 and final["lift_step"] == 0 == rows[-1]["lift_step"]
+    assert ckpt["parts"]["health"]["lifted"] and ckpt["parts"]["health"]["updates"] == 7
+    # No aux path: the bar says lifted=0; progress=False: no bar at all.
+    none = train_cfc_aux(_config(aux="none", steps=2, progress=True))
+    err = capsys.readouterr().err
+    assert "cfc-aux none seed 0" in err
+    assert f"lifted=0, loss={none['steps'][-1]['train_loss']:.3f}]" in err
+    train_cfc_aux(_config(steps=2))
+    assert "cfc-aux" not in capsys.readouterr().err
+
+
+def _interrupt_at(monkeypatch, step):
+    real = cfc_aux.train_step
+
+    def interrupted(run, s):
+        if s == step:
+            raise KeyboardInterrupt
+        return real(run, s)
+
+    monkeypatch.setattr(cfc_aux, "train_step", interrupted)
+    return real
+
+
+def test_checkpoint_cadence_and_the_resumed_divergence_baseline(tmp_path, monkeypatch):
+    config = _config(steps=8, checkpoint_every=3)
+    real = _interrupt_at(monkeypatch, 5)
+    with pytest.raises(KeyboardInterrupt):
+        train_cfc_aux(config, tmp_path / "a")
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["rows"] == 3
+    # Resumed after one row: the baseline stays the loss at initialisation, not the loss of
+    # the resumed model.
+    config = _config(steps=4, checkpoint_every=1)
+    whole = train_cfc_aux(config)
+    _interrupt_at(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        train_cfc_aux(config, tmp_path / "b")
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["rows"] == 1
+    monkeypatch.setattr(cfc_aux, "train_step", real)
+    resumed = train_cfc_aux(config, tmp_path / "b")
+    assert resumed["steps"] == whole["steps"]
+    baseline = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["baseline"]
+    assert baseline == whole["steps"][0]["train_loss"]
+
+
+def test_divergence_uses_the_configured_factor():
+    config = _config(diverge_factor=1.05, eval_every=0)
+    record = train_cfc_aux(config)
+    rows = record["steps"]
+    base = rows[0]["train_loss"]
+    over = [i for i, r in enumerate(rows) if r["train_loss"] > 1.05 * base]
+    assert over, "the test needs a batch loss above 1.05 x the first"
+    assert record["status"] == "diverged" and len(rows) == over[0] + 1
+    assert "exceeds 1.05 x the loss at initialisation" in record["error"]
+
+
+def test_a_non_finite_validation_loss_stops_the_run(monkeypatch):
+    monkeypatch.setattr(cfc_aux, "evaluate", lambda run: {"val_loss": float("nan"),
+                                                          "val_acc": 0.5})
+    record = train_cfc_aux(_config(steps=6, eval_every=2))
+    assert record["status"] == "diverged" and len(record["steps"]) == 2
+    assert "non-finite evaluation loss val_loss=nan at step 1" in record["error"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from analysis import find_problems
 from lab import records
 from lab.config import ConfigError
+from lab.data.text import eval_windows, sample_batch
 from lab.device import seeded
 from lab.models.transformer import Transformer, language_model_loss
 from lab.train import ep as ep_module
@@ -371,3 +373,320 @@ def test_notebook_declares_every_config_field_at_smoke_size():
         if name not in smoke:
             assert defaults[name] == getattr(config, name), name
     assert defaults["steps"] <= 50 and defaults["progress"] is False and defaults["out_dir"] == "."
+
+
+# ---------------------------------------------------------------------------
+# exact values: oracles recomputed from the returned states, the formulas and torch itself
+
+
+def _small_states_model(seed=0):
+    """A model whose states are tiny (|z| << 1): the drift's 1e-12 guard must not bind."""
+    model = _model(n_layers=3, seed=seed)
+    with torch.no_grad():
+        model.tok.weight.mul_(1e-4)
+        model.pos.weight.mul_(1e-4)
+        for name, p in model.blocks.named_parameters():
+            if name.endswith("proj.weight"):
+                p.mul_(1e-4)
+    return model
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_objective_drift_and_free_states_recomputed_from_the_states(small):
+    """objective = E / (n beta) + CE and drift, recomputed from the returned states."""
+    model = _small_states_model() if small else _model(n_layers=3)
+    x, y = _batch()
+    beta, n = 0.3, y.numel()  # a large beta: the energy term is far from negligible
+    ep = ep_gradient(model, x, y, beta=beta, K=3)
+    with torch.no_grad():
+        z = model.embed(x)
+        free = []
+        for block in model.blocks:
+            z = block(z)
+            free.append(z)
+        below = [model.embed(x), *ep.nudged_states[:-1]]
+        energy = sum(0.5 * float((zn - block(zb)).pow(2).sum())
+                     for block, zn, zb in zip(model.blocks, ep.nudged_states, below, strict=True))
+        ce = float(language_model_loss(model.readout(ep.nudged_states[-1]), y))
+        free_ce = float(language_model_loss(model.readout(free[-1]), y))
+        moved = sum(float((a - b).norm()) for a, b in zip(ep.nudged_states, free, strict=True))
+        drift = moved / sum(float(b.norm()) for b in free)
+    assert len(ep.free_states) == len(ep.nudged_states) == 3
+    for got, want in zip(ep.free_states, free, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0.0)
+    assert energy > 1e-3 * ce * n * beta  # the energy term matters in the objective
+    assert ep.objective == pytest.approx(energy / (n * beta) + ce, rel=1e-10)
+    assert ep.free_loss == pytest.approx(free_ce, rel=1e-12)
+    if small:
+        assert sum(float(b.norm()) for b in free) < 0.1  # the guard would bind at 1
+    assert 0 < ep.drift == pytest.approx(drift, rel=1e-10)
+
+
+def test_unused_parameter_gets_a_zero_gradient():
+    """A parameter the loss never reads has no autograd path: both gradients give zeros."""
+    model = _model(n_layers=2)
+    model.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    x, y = _batch()
+    for grads in (ep_gradient(model, x, y, beta=1e-3, K=2).grads, bp_gradient(model, x, y)[0]):
+        assert len(grads) == len(list(model.parameters()))
+        assert torch.equal(grads[-1], torch.zeros(3, dtype=torch.float64))
+        assert all(g.shape == p.shape for g, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_cosines_leave_out_tensors_without_a_direction_on_either_side():
+    model = _model(n_layers=1)
+    a = [torch.ones_like(p) for p in model.parameters()]
+    b = [torch.ones_like(p) for p in model.parameters()]
+    a[2] = torch.zeros_like(a[2])  # zero in the first gradient only
+    names = [n for n, _ in model.named_parameters()]
+    cos = gradient_cosines(model, a, b)
+    assert names[2] not in cos and cos[names[0]] == pytest.approx(1.0)
+    sizes = [p.numel() for p in model.parameters()]
+    assert cos["overall"] == pytest.approx(math.sqrt((sum(sizes) - sizes[2]) / sum(sizes)),
+                                           rel=1e-12)
+    zero = [torch.zeros_like(p) for p in model.parameters()]
+    for left, right in ((zero, b), (a, zero), (zero, zero)):
+        cos = gradient_cosines(model, left, right)
+        assert list(cos) == ["overall"] and math.isnan(cos["overall"])
+    with pytest.raises(ValueError, match=r"zip\(\) argument 3 is shorter"):
+        gradient_cosines(model, a, b[:-1])
+
+
+def test_spectral_norm_of_small_and_zero_matrices():
+    w = 1e-4 * torch.randn(30, 7, generator=torch.Generator().manual_seed(1))  # sigma << 1
+    assert spectral_norm(w) == pytest.approx(float(torch.linalg.matrix_norm(w, ord=2)),
+                                             rel=1e-9)
+    assert spectral_norm(torch.zeros(5, 3)) == 0.0
+
+
+def test_governor_trace_and_state():
+    """The clean-step counter, the recovery cadence and the ceilings, step by step."""
+    gov = Governor(EPConfig(K=10, drift_bound=0.1, recover_after=2))
+    assert gov.state_dict() == {"scale": 1.0, "K": 10, "clean": 0, "skipped": 0}
+    for i in range(1, 6):  # clean steps at the configured values: nothing to recover
+        assert gov.update(0.01) is False
+        assert gov.state_dict() == {"scale": 1.0, "K": 10, "clean": i, "skipped": 0}
+    for _ in range(8):  # scale reaches its ceiling 2 recoveries before K does
+        gov.update(1.0)
+    assert gov.state_dict() == {"scale": 1 / 64, "K": 2, "clean": 0, "skipped": 8}
+    trace = []
+    for _ in range(20):
+        gov.update(0.0)
+        trace.append((gov.scale, gov.K, gov.clean))
+    expected, scale, K = [], 1 / 64, 2
+    for i in range(1, 21):
+        if i % 2 == 0 and (scale < 1 or K < 10):
+            scale, K = min(2 * scale, 1.0), min(K + 1, 10)
+            expected.append((scale, K, 0))
+        else:
+            expected.append((scale, K, expected[-1][2] + 1 if expected else 1))
+    assert trace == expected
+    assert trace[-1][:2] == (1.0, 10) and max(s for s, _, _ in trace) == 1.0
+    restored = Governor(EPConfig(K=10))
+    restored.load_state_dict(gov.state_dict())
+    assert restored.state_dict() == gov.state_dict()
+
+
+def test_cosine_beta_schedule_with_two_steps():
+    config = EPConfig(beta=0.2, beta_final=0.05, beta_schedule="cosine", steps=2)
+    assert [scheduled_beta(config, s) for s in (0, 1)] == pytest.approx([0.2, 0.05], rel=1e-12)
+    assert scheduled_beta(dataclasses.replace(config, steps=1), 0) == 0.2
+
+
+@pytest.mark.parametrize("name, kind", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam),
+                                        ("sgd", torch.optim.SGD)])
+def test_optimizer_hyperparameters_read_back(name, kind):
+    config = EPConfig(optimizer=name, lr=0.0123, weight_decay=0.0456)
+    opt = ep_module._optimizer(config, [torch.nn.Parameter(torch.zeros(2))])
+    assert type(opt) is kind
+    group = opt.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.0123, 0.0456)
+    if name == "sgd":
+        assert group["momentum"] == 0.9
+
+
+def _lr_factor(step: int, warm: int, total: int, schedule: str) -> float:
+    """The learning-rate schedule written out: linear warm-up, then cosine 1 -> 0.1 (held)."""
+    if step < warm:
+        return (step + 1) / warm
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.1 + 0.9 * (0.5 + 0.5 * math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("schedule, warm, total", [("cosine", 3, 10), ("cosine", 3, 4),
+                                                   ("cosine", 0, 6), ("constant", 4, 9),
+                                                   ("cosine", 5, 5)])
+def test_learning_rate_schedule_matches_the_formula(schedule, warm, total):
+    config = EPConfig(lr=0.5, schedule=schedule, warmup_steps=warm, steps=total)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+    scheduler = ep_module._scheduler(config, opt)
+    for step in range(total + 4):  # beyond the end the schedule holds its floor
+        assert opt.param_groups[0]["lr"] == pytest.approx(
+            0.5 * _lr_factor(step, warm, total, schedule), rel=1e-12, abs=1e-15), step
+        opt.step()
+        scheduler.step()
+    if schedule == "cosine":
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.05, rel=1e-12)
+
+
+def test_build_wires_the_config_into_model_data_and_parts():
+    config = _tiny(seq_len=12, d_model=8, n_layers=3, n_heads=4, mlp_ratio=5, dtype="float64",
+                   eval_batches=3, batch_size=2, optimizer="sgd", lr=0.07)
+    run = build_ep(config)
+    for model in (run.model, run.twin, run.scratch):
+        assert (model.max_len, model.d_model, len(model.blocks)) == (12, 8, 3)
+        assert model.n_heads == 4 and model.mlp_ratio == 5
+        assert model.blocks[0].mlp.fc.out_features == 40  # mlp_ratio * d_model
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert len(run.val[0]) == 6 and run.val[0].shape == run.val[1].shape == (6, 12)
+    want = eval_windows(run.corpus.val, 12, 6)
+    assert torch.equal(run.val[0], want[0]) and torch.equal(run.val[1], want[1])
+    whole = build_ep(dataclasses.replace(config, eval_batches=0))
+    assert len(whole.val[0]) == len(eval_windows(whole.corpus.val, 12)[0]) > 6
+    parts = run.parts()
+    assert parts == {"model": run.model, "optimizer": run.optimizer,
+                     "scheduler": run.scheduler, "twin": run.twin,
+                     "twin_optimizer": run.twin_optimizer, "twin_scheduler": run.twin_scheduler,
+                     "governor": run.governor, "generator": run.generator}
+    for opt, model in ((run.optimizer, run.model), (run.twin_optimizer, run.twin)):
+        assert type(opt) is torch.optim.SGD and opt.param_groups[0]["lr"] == pytest.approx(0.07)
+        assert opt.param_groups[0]["params"] == list(model.parameters())
+
+
+def test_expectation_declares_exact_metrics():
+    both = expectation(_tiny(cosine_every=2, eval_every=3, steps=7))
+    assert (both.axis, both.count, both.stride) == ("step", 7, 1)
+    assert both.metrics == ("beta", "K", "drift", "skipped", "ep_objective", "train_loss",
+                            "grad_norm", "bp_train_loss", "bp_grad_norm", "lr")
+    assert both.periodic == (("cos/", 2, 0), ("embed_spectral_norm", 2, 0),
+                             ("bp_embed_spectral_norm", 2, 0), ("val_loss", 3, 2),
+                             ("val_bpc", 3, 2), ("bp_val_loss", 3, 2), ("bp_val_bpc", 3, 2))
+    assert both.final == ("val_loss", "val_bpc", "bp_val_loss", "bp_val_bpc", "skipped_steps")
+    assert expectation(_tiny(cosine_every=0, eval_every=0)).periodic == ()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3, 1e3])
+def test_apply_clips_like_torch_and_casts_to_the_parameter_dtype(clip):
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    grads = [torch.randn(4, 3, generator=gen, dtype=torch.float64),
+             torch.randn(5, generator=gen, dtype=torch.float64)]  # float64 into float32
+    params = [torch.nn.Parameter(s.clone()) for s in start]
+    opt = torch.optim.SGD(params, lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    norm = ep_module._apply(params, grads, opt, sched, clip)
+    # The oracle: torch's own clipping on a copy, then a plain SGD step.
+    ref = [torch.nn.Parameter(s.clone()) for s in start]
+    for p, g in zip(ref, grads, strict=True):
+        p.grad = g.float()
+    want_norm = torch.nn.utils.clip_grad_norm_(ref, clip if clip else math.inf)
+    assert norm == pytest.approx(float(want_norm), rel=1e-6)
+    assert norm == pytest.approx(math.sqrt(sum(float(g.pow(2).sum()) for g in grads)), rel=1e-6)
+    for p, r, s in zip(params, ref, start, strict=True):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.detach(), s - 0.5 * r.grad, rtol=1e-6, atol=1e-7)
+    if clip == 0.0:  # off: the full gradient
+        torch.testing.assert_close(params[1].detach(), start[1] - 0.5 * grads[1].float())
+    assert opt.param_groups[0]["lr"] == 0.25  # the schedule stepped once
+    with pytest.raises(ValueError, match=r"zip\(\) argument 2 is shorter"):
+        ep_module._apply(params, grads[:1], opt, sched, clip)
+
+
+def test_train_step_updates_match_the_gradients_clipped():
+    """One step of each model, recomputed: same batch, the EP/BP gradient, clip, SGD."""
+    config = _tiny(dtype="float64", optimizer="sgd", weight_decay=0.0, lr=0.1, warmup_steps=0,
+                   grad_clip=1e-3, beta=0.05, beta_final=0.01, beta_schedule="cosine",
+                   steps=5, cosine_every=0, eval_every=0)
+    run = build_ep(config)
+    run.governor.scale = 0.5  # the beta in force is schedule(step) * scale
+    step = 2
+    gen = torch.Generator()
+    gen.set_state(run.generator.get_state())
+    x, y = sample_batch(run.corpus.train, config.batch_size, config.seq_len, gen)
+    beta = scheduled_beta(config, step) * 0.5
+    assert beta != config.beta * 0.5
+    ep_grads = ep_gradient(run.model, x, y, beta, config.K).grads
+    bp_grads, bp_loss = bp_gradient(run.twin, x, y)
+    before = ([p.detach().clone() for p in run.model.parameters()],
+              [p.detach().clone() for p in run.twin.parameters()])
+    t0 = time.perf_counter()
+    row = train_step(run, step)
+    wall = time.perf_counter() - t0
+    assert row["beta"] == pytest.approx(beta, rel=1e-12) and row["lr"] == pytest.approx(0.1)
+    assert row["bp_train_loss"] == pytest.approx(bp_loss, rel=1e-12)
+    for grads, start, model, key in ((ep_grads, before[0], run.model, "grad_norm"),
+                                     (bp_grads, before[1], run.twin, "bp_grad_norm")):
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        assert row[key] == pytest.approx(norm, rel=1e-10)
+        assert norm > 100 * config.grad_clip  # the clip binds
+        for g, s, p in zip(grads, start, model.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), s - 0.1 * g * (config.grad_clip / norm),
+                                       rtol=1e-9, atol=1e-12)
+    assert 0 < row["ep_wall_s"] and 0 < row["bp_wall_s"]
+    assert row["ep_wall_s"] + row["bp_wall_s"] <= wall
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_work_bill_is_the_analytic_formula(K):
+    """The bill from the counts: forwards, input VJPs and the parameter backward (x2) through
+    the blocks; per top force a read-out forward and its VJP; the objective's read-out and its
+    parameter backward (x3); BP: forward + backward (x3) of everything."""
+    L, B_, T_ = 3, 3, 5  # batch size and length differ: the token count is their product
+    config = EPConfig(n_layers=L, K=K, d_model=16, n_heads=2, mlp_ratio=3, batch_size=B_,
+                      seq_len=T_)
+    model = Transformer(V, T_, d_model=16, n_layers=L, n_heads=2, mlp_ratio=3)
+    bill = work_per_step(config, model, K)
+    block = model.block_macs(T_) * B_ * T_
+    head = model.readout_macs() * B_ * T_
+    counts = ep_gradient(_model(n_layers=L), *_batch(), beta=1e-3, K=K).counts
+    tops = counts["top_forces"]
+    assert bill["ep"] == {
+        "block_forwards": counts["block_forwards"], "input_vjps": counts["input_vjps"],
+        "param_backward_blocks": L, "readouts": counts["readouts"],
+        "macs": block * (counts["block_forwards"] + counts["input_vjps"] + 2 * L)
+        + head * (2 * tops + 3)}
+    assert bill["bp"] == {"block_forwards": L, "readouts": 1, "macs": 3 * (L * block + head)}
+    assert bill["ep_over_bp_macs"] == pytest.approx(bill["ep"]["macs"] / bill["bp"]["macs"],
+                                                    rel=1e-15)
+    assert set(bill) == {"ep", "bp", "ep_over_bp_macs"}
+
+
+def test_trainer_record_names_baseline_progress_and_bill(tmp_path, capsys):
+    config = _tiny(steps=3, seed=3, eval_every=0, cosine_every=0, checkpoint_every=0,
+                   progress=True)
+    record = train_ep(config, tmp_path / "dir", run_id="custom")
+    assert record["status"] == "complete", record["error"]
+    assert (record["run_id"], record["kind"]) == ("custom", "ep")
+    assert record["environment"]["device"] == "cpu"
+    assert "ep seed 3" in capsys.readouterr().err  # the progress bar, named
+    # The divergence baseline: the initial model's CE on the fixed training probe windows.
+    run = build_ep(config)
+    probe = eval_windows(run.corpus.train, config.seq_len, config.batch_size)
+    assert probe[0].shape == (config.batch_size, config.seq_len)
+    saved = torch.load(tmp_path / "dir" / "checkpoint.pt", weights_only=True)
+    assert saved["baseline"] == pytest.approx(ep_module.evaluate(run.model, probe, 4), rel=1e-12)
+    bill = work_per_step(config, run.model, config.K)
+    assert record["work"] == {**bill, "steps": 3, "ep_macs_total": 3 * bill["ep"]["macs"],
+                              "bp_macs_total": 3 * bill["bp"]["macs"]}
+    quiet = train_ep(dataclasses.replace(config, progress=False))
+    assert quiet["run_id"] == "in-memory" and capsys.readouterr().err == ""
+
+
+def test_checkpoints_follow_checkpoint_every(tmp_path, monkeypatch):
+    config = _tiny(steps=5, eval_every=0, cosine_every=0, checkpoint_every=2)
+    real = ep_module.train_step
+
+    def interrupted(run, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(run, step)
+
+    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_ep(config, tmp_path / "cut")
+    saved = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
+    assert saved["rows"] == 2  # checkpoints at 2 rows (not every row, not only at the end)
+    assert set(saved["parts"]) == {"model", "optimizer", "scheduler", "twin", "twin_optimizer",
+                                   "twin_scheduler", "governor", "generator"}

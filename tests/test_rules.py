@@ -768,3 +768,26 @@ def test_feedback_depends_on_the_run_seed_and_the_feedback_seed(name):
     assert torch.equal(same, draw(0, 0))
     assert not torch.allclose(same, draw(1, 0))
     assert not torch.allclose(same, draw(0, 1))
+
+
+def test_register_refuses_an_empty_or_taken_name():
+    from lab.rules.registry import RULES, register
+
+    class Unnamed:
+        name = ""
+
+    class Taken:
+        name = "fa"
+
+    for cls in (Unnamed, Taken):
+        with pytest.raises(ValueError, match=rf"rule name {cls.name!r} is empty or already"):
+            register(cls)
+    assert RULES["fa"].__name__ == "FeedbackAlignment"
+
+    class Fresh:
+        name = "fresh_test_rule"
+
+    try:
+        assert register(Fresh) is Fresh and RULES["fresh_test_rule"] is Fresh
+    finally:
+        RULES.pop("fresh_test_rule", None)

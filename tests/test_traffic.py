@@ -356,3 +356,75 @@ def test_final_metrics_against_independent_values(traffic_rule):
         values = [v for k, v in per.items() if k != "mean" and v == v]
         assert abs(per["mean"] - sum(values) / len(values)) < 1e-12, s
     assert final["warmup"]["first_ratio"] > final["warmup"]["last_ratio"] >= 0
+
+
+def test_epoch_apical_rms_is_each_signals_rms_over_the_epochs_steps():
+    """The logged RMS of used, instruction, raw, innovation and traffic per population,
+    recomputed from the step's instruction (record=True) and the rule's tensors."""
+    model, rule, x, y = _calibrated(1, "innovation", predictor_warmup_steps=1,
+                                    predictor_batch=8)
+    with torch.no_grad():
+        for i, b in enumerate(rule.b):
+            b.fill_(0.02 * (i + 1))  # an imperfect predictor: innovation != instruction
+    rule.epoch_metrics()  # start a fresh epoch
+    ss = {s: {} for s in ("used", "instruction", "raw", "innovation", "traffic")}
+    numel = {}
+    halves = [(x[:12], y[:12]), (x[12:], y[12:])]
+    for step, (xb, yb) in enumerate(halves):
+        model.zero_grad(set_to_none=True)
+        P = [p.clone() for p in rule.P]
+        b = [q.clone() for q in rule.b]
+        out = rule.compute_gradients(xb, yb, step, record=True)
+        for i, instr in enumerate(out.teaching):
+            h = rule.last_h[i]
+            traffic = rule.gains[i] * rule.coefficients[i] * h
+            raw = instr + traffic
+            innov = raw - (P[i] * h + b[i])
+            for s, v in (("used", innov), ("instruction", instr), ("raw", raw),
+                         ("innovation", innov), ("traffic", traffic)):
+                ss[s][i] = ss[s].get(i, 0.0) + float(v.square().sum())
+            numel[i] = numel.get(i, 0) + h.numel()
+    apical = rule.epoch_metrics()["apical"]
+    names = model.population_names
+    for s in ss:
+        per = apical[f"rms_{s}"]
+        for i, name in enumerate(names):
+            want = (ss[s][i] / numel[i]) ** 0.5
+            assert abs(per[name] - want) <= 1e-9 * want, (s, name)
+        assert abs(per["mean"] - sum(per[n] for n in names) / len(names)) < 1e-12
+    # The sums restart: an epoch with no logged step has no RMS.
+    empty = rule.epoch_metrics()["apical"]["rms_used"]
+    assert all(v != v for v in empty.values())
+
+
+def test_residual_ratio_is_defined_by_traffic_and_nan_without_it():
+    model, rule, x, y = _calibrated(1, "innovation")
+    rule.compute_gradients(x, y, None)
+    hs = {i: h * 1e-3 for i, h in rule.last_h.items()}  # traffic well below 1
+    with torch.no_grad():
+        for i, b in enumerate(rule.b):
+            b.fill_(1e-5 * (i + 1))
+    ss_r = sum(float((rule.gains[i] * rule.coefficients[i] * h - (rule.P[i] * h + rule.b[i]))
+                     .square().sum()) for i, h in hs.items())
+    ss_t = sum(float((rule.gains[i] * rule.coefficients[i] * h).square().sum())
+               for i, h in hs.items())
+    assert ss_t < 1
+    assert abs(rule.residual_ratio(hs) - (ss_r / ss_t) ** 0.5) < 1e-12 * (ss_r / ss_t) ** 0.5
+    silent = {i: torch.zeros_like(h) for i, h in hs.items()}
+    assert rule.residual_ratio(silent) != rule.residual_ratio(silent)  # NaN: no traffic
+
+
+def test_state_round_trip_copies_every_rule_tensor():
+    model, rule, x, y = _calibrated(2, "innovation", predictor_warmup_steps=2,
+                                    predictor_batch=8)
+    fresh_model, fresh = _setup("kp_traffic", {"traffic_rule": "innovation"}, dims=2)
+    assert all(p is None for p in fresh.state_dict()["P"])  # nothing seen yet: no shapes
+    state = rule.state_dict()
+    fresh.load_state_dict(state)
+    for name in ("P", "b", "coefficients"):
+        for a, b in zip(getattr(rule, name), getattr(fresh, name)):
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+    assert fresh.gains == rule.gains and fresh.warmup == rule.warmup
+    with torch.no_grad():
+        rule.P[0].add_(1.0)  # the saved state is a copy, not a view of the live tensors
+    assert not torch.equal(state["P"][0], rule.P[0])
