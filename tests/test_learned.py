@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_perturbation import smooth_net, true_gradients
 
 from lab.config import ConfigError
@@ -247,3 +248,434 @@ def test_lhfa_learns_from_few_noisy_gaussian_directions():
         rule.calibrate(x, y)
     assert start < 0.2 and alignment(model, rule, x, y)["mean_teaching_cos"] > 0.9
     assert all(float(b.norm()) < 3 * n for b, n in zip(rule.feedback, norms))
+
+
+# -- oracles for the numbers each rule reports and the updates it makes --------------------
+
+def _fa_signals(model, x, y, layers):
+    """Populations, fa teaching (d sum-loss/dh through each layer's B) and each B layer's
+    output gradient, from the model's own transport (autograd through the B slots)."""
+    hs, outs = [], {}
+    handles = [m.register_forward_hook(lambda mod, i, o: outs.__setitem__(id(mod), o))
+               for _, m in layers]
+    try:
+        logits = model(x, tap=lambda i, h: hs.append(h) or h)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        grads = torch.autograd.grad(loss, hs + [outs[id(m)] for _, m in layers])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [h.detach() for h in hs], grads[:len(hs)], grads[len(hs):]
+
+
+def _transport(module, h, weight):
+    """The layer's forward with ``weight``, on population h (fc reads its spatial mean)."""
+    if isinstance(module, Conv):
+        return F.conv1d(h, weight, None, module.stride, module.padding)
+    return F.linear(h.mean(dim=tuple(range(2, h.ndim))) if h.ndim > 2 else h, weight)
+
+
+def _teaching(module, delta, weight, like):
+    """autograd: the input gradient the layer's transport makes with ``weight`` as B."""
+    h = like.clone().requires_grad_()
+    return torch.autograd.grad(_transport(module, h, weight), h, delta)[0]
+
+
+def _b_gradient(module, delta, signal, weight):
+    """autograd: d <teaching(B), signal> / dB = d <delta, forward(signal; B)> / dB."""
+    b = weight.clone().requires_grad_()
+    return torch.autograd.grad((delta * _transport(module, signal, b)).sum(), b)[0]
+
+
+def test_lhfa_b_teaching_and_b_gradient_match_autograd():
+    model, x, y = smooth_net()
+    rule = make_rule("lhfa", model, {"warmup_steps": 0}, seed=0)
+    hs, _, deltas = _fa_signals(model, x, y, rule.layers)
+    gen = torch.Generator().manual_seed(3)
+    for (name, module), b, index, delta in zip(rule.layers, rule.feedback, rule.reads, deltas):
+        like = hs[index]
+        weight = torch.randn(b.shape, generator=gen, dtype=b.dtype)  # "a given B"
+        signal = torch.randn(like.shape, generator=gen, dtype=like.dtype)
+        got = rule.b_teaching(module, delta, weight, like)
+        want = _teaching(module, delta, weight, like)
+        assert got.shape == like.shape
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=name)
+        torch.testing.assert_close(rule.b_gradient(module, delta, signal),
+                                   _b_gradient(module, delta, signal, b),
+                                   rtol=1e-12, atol=1e-14, msg=name)
+        # A single example (calibration_batch=1) is a legal batch.
+        torch.testing.assert_close(rule.b_teaching(module, delta[:1], weight, like[:1]),
+                                   want[:1], rtol=1e-12, atol=1e-14, msg=name)
+    # The read-out of an unpooled (B, C) population: no spatial mean to undo.
+    fc = rule.layers[-1][1]
+    flat = hs[-1].mean(2)  # (B, C)
+    delta = deltas[-1]
+    weight = torch.randn(fc.weight.shape, generator=gen, dtype=flat.dtype)
+    torch.testing.assert_close(rule.b_teaching(fc, delta, weight, flat),
+                               _teaching(fc, delta, weight, flat), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(rule.b_gradient(fc, delta, flat),
+                               _b_gradient(fc, delta, flat, weight), rtol=1e-12, atol=1e-14)
+
+
+def _nlms(x_old, grad, curvature, eta):
+    return x_old - eta * grad.square().sum() / curvature * grad
+
+
+@pytest.mark.parametrize("difference", ["central", "forward"])
+def test_lhfa_one_event_is_the_exact_nlms_step(difference):
+    """Complete orthogonal directions (exact observations): R_l = t_l - dL/dh_l, and each B
+    takes X -= eta ||G||^2 / ||t(G)||^2 G with G and t(G) from autograd."""
+    model, x, y = smooth_net()
+    sigma = 1e-5 if difference == "central" else 1e-8
+    eta = 0.7
+    rule = make_rule("lhfa", model, {**EXACT, "eta_A": eta, "pert_sigma": sigma,
+                                     "pert_difference": difference, "warmup_steps": 0}, seed=0)
+    _, true, _ = true_gradients(copy.deepcopy(model), x, y)  # the copy has no B: backprop
+    hs, teaching, deltas = _fa_signals(model, x, y, rule.layers)
+    old = [b.clone() for b in rule.feedback]
+    rule.calibrate(x, y)
+    tol = 1e-7 if difference == "central" else 1e-5
+    fits = []
+    for (name, module), b, b0, index, delta in zip(rule.layers, rule.feedback, old,
+                                                     rule.reads, deltas):
+        residual = teaching[index] - true[index]
+        grad = _b_gradient(module, delta, residual, b0)
+        curvature = _teaching(module, delta, grad, hs[index]).square().sum()
+        want = _nlms(b0, grad, curvature, eta)
+        assert (b - want).norm() / (want - b0).norm() < tol, name
+        fits.append(float(residual.norm() / true[index].norm()))
+    k, n = EXACT["pert_directions"], len(rule.reads)
+    queries = (2 if difference == "central" else 1) * k * n
+    assert rule.estimator.counts() == {"loss_queries": queries, "observations": queries,
+                                       "example_passes": queries * len(y)}
+    fit = sum(fits) / len(fits)
+    assert rule.fit == pytest.approx(fit, rel=tol)
+    assert rule.final_metrics(x, y) == {
+        "perturbation": rule.estimator.counts(),
+        "calibration": {"events": 1, "fit": rule.fit, "examples": len(y)}}
+    metrics = rule.epoch_metrics()
+    assert metrics["calibration"] == {"events": 1, "fit": rule.fit}
+    assert metrics["perturbation"] == rule.estimator.counts()
+    assert "feedback" in metrics  # fa's tracking of B
+
+
+@pytest.mark.parametrize("difference", ["central", "forward"])
+def test_sdil_one_event_is_the_exact_nlms_step(difference):
+    """A_l -= eta ||G||^2 / ||e G||^2 G, G = e^T (e A_l - dL/dh_l), exact observations."""
+    model, x, y = smooth_net()
+    sigma = 1e-5 if difference == "central" else 1e-8
+    eta = 0.7
+    rule = make_rule("sdil", model, {**EXACT, "eta_A": eta, "pert_sigma": sigma,
+                                     "pert_difference": difference, "a_warmup_steps": 0},
+                     seed=0)
+    rule.compute_gradients(x, y, None)  # shapes: A_l drawn
+    hs, true, _ = true_gradients(model, x, y)
+    e = output_error(model(x).detach(), y)  # (B, K)
+    old = [a.clone() for a in rule.A]
+    rule.calibrate(x, y)
+    tol = 1e-7 if difference == "central" else 1e-5
+    fits = []
+    for i, (a, a0, g) in enumerate(zip(rule.A, old, true)):
+        residual = (e @ a0).view_as(g) - g
+        grad = e.T @ residual.flatten(1)  # (K, units)
+        want = _nlms(a0, grad, (e @ grad).square().sum(), eta)
+        assert (a - want).norm() / (want - a0).norm() < tol, i
+        fits.append(float(residual.norm() / g.norm()))
+    k, n = EXACT["pert_directions"], len(hs)
+    queries = (2 if difference == "central" else 1) * k * n
+    assert rule.estimator.counts() == {"loss_queries": queries, "observations": queries,
+                                       "example_passes": queries * len(y)}
+    assert rule.fit == pytest.approx(sum(fits) / len(fits), rel=tol)
+    assert rule.final_metrics(x, y) == {
+        "perturbation": rule.estimator.counts(), "gains": [0.0] * n,
+        "calibration": {"events": 1, "fit": rule.fit, "examples": len(y)}}
+    metrics = rule.epoch_metrics()
+    assert metrics["calibration"] == {"events": 1, "fit": rule.fit}
+    assert metrics["perturbation"] == rule.estimator.counts()
+
+
+@pytest.mark.parametrize("name", ["lhfa", "sdil"])
+@pytest.mark.parametrize("difference, per_example", [("central", True), ("forward", True),
+                                                      ("forward", False)])
+def test_observation_counts_follow_difference_and_per_example(name, difference, per_example):
+    model, x, y = smooth_net()
+    k = 2
+    rule = make_rule(name, model, {"pert_directions": k, "pert_difference": difference,
+                                   "pert_per_example": per_example}, seed=0)
+    rule.calibrate(x, y)
+    n = len(rule.reads) if name == "lhfa" else len(model.population_names)
+    queries = (2 if difference == "central" else 1) * k * n
+    assert rule.estimator.counts() == {
+        "loss_queries": queries, "observations": queries * (len(y) if per_example else 1),
+        "example_passes": queries * len(y)}
+    assert math.isfinite(rule.fit)
+
+
+def _sdil_used(rule_name, ins, h, c, gain, p, b):
+    """DESIGN section 5 in d sum-loss/dh units: the signal each traffic rule injects."""
+    traffic = gain * c * h
+    raw, innovation = ins + traffic, ins + traffic - (p * h + b)
+    if rule_name == "none":
+        return ins, raw, innovation, traffic
+    if rule_name == "raw":
+        return raw, raw, innovation, traffic
+    if rule_name == "innovation":
+        return innovation, raw, innovation, traffic
+    scale = innovation.flatten(1).norm(dim=1) / raw.flatten(1).norm(dim=1)  # (B,)
+    return raw * scale.view(-1, *[1] * (h.ndim - 1)), raw, innovation, traffic
+
+
+def _cut(hs):
+    return lambda i, h: hs.append(h) or h.detach()
+
+
+@pytest.mark.parametrize("traffic_rule", ["none", "raw", "innovation", "matched"])
+def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_rule):
+    """Gradients: the read-out's from the mean loss, each other layer's from its own
+    population's used signal / B (autograd within the segment). Metrics: per population
+    RMS over the summed steps of each signal, recomputed from the same formulas."""
+    model, x, y = smooth_net()
+    rule = make_rule("sdil", model, {"traffic_rule": traffic_rule, "pert_every": 100,
+                                     "predictor_every": 100}, seed=0)
+    names = model.population_names
+    fresh = rule.epoch_metrics()["apical"]  # nothing summed yet
+    assert all(math.isnan(fresh[f"rms_{s}"][n]) for s in ("used", "traffic") for n in names)
+    assert rule.compute_gradients(x, y, None).teaching is None  # record defaults to False
+    gen = torch.Generator().manual_seed(5)
+    rule.gains = [0.5 + 0.25 * i for i in range(len(names))]
+    for i, c in enumerate(rule.coefficients):
+        rule.P[i] = torch.randn(c.shape, generator=gen, dtype=c.dtype) * rule.gains[i]
+        rule.b[i] = 0.1 * torch.randn(c.shape, generator=gen, dtype=c.dtype)
+    sums = {s: [0.0] * len(names) for s in ("used", "instruction", "raw", "innovation",
+                                             "traffic")}
+    numels = [0] * len(names)
+    batches = [x, 0.7 * x + 0.3 * torch.randn(x.shape, generator=gen, dtype=x.dtype)]
+    for step, xb in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        result = rule.compute_gradients(xb, y, step, record=True)
+        got = _grads(model)
+        twin = copy.deepcopy(model)
+        hs = []  # each population with its own segment's graph; the next layer reads a copy
+        logits = twin(xb, tap=_cut(hs))
+        e = output_error(logits.detach(), y)  # (B, K)
+        total = F.cross_entropy(logits, y)
+        for i, h in enumerate(hs):
+            ins = (e @ rule.A[i]).view_as(h)
+            torch.testing.assert_close(result.teaching[i], ins, rtol=1e-13, atol=0.0)
+            used, raw, innovation, traffic = _sdil_used(
+                traffic_rule, ins, h.detach(), rule.coefficients[i], rule.gains[i],
+                rule.P[i], rule.b[i])
+            total = total + (h * used).sum() / len(y)
+            for s, v in (("used", used), ("instruction", ins), ("raw", raw),
+                         ("innovation", innovation), ("traffic", traffic)):
+                sums[s][i] += float(v.square().sum())
+            numels[i] += h.numel()
+        total.backward()
+        want = _grads(twin)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
+    rule.compute_gradients(x, y, None)  # a diagnostic call sums nothing
+    assert rule.steps == 2
+    apical = rule.epoch_metrics()["apical"]
+    for s, per in sums.items():
+        rms = [math.sqrt(v / m) for v, m in zip(per, numels)]
+        for name, value in zip(names, rms):
+            assert apical[f"rms_{s}"][name] == pytest.approx(value, rel=1e-10), (s, name)
+        assert apical[f"rms_{s}"]["mean"] == pytest.approx(sum(rms) / len(rms), rel=1e-10)
+    again = rule.epoch_metrics()["apical"]  # the sums restart each epoch
+    assert all(math.isnan(again[f"rms_{s}"][n]) for s in sums for n in names)
+
+
+def test_sdil_initial_draws():
+    """A_l ~ N(0, (feedback_scale / sqrt K)^2) minus its class mean, C ~ exp(0.25 N(0, 1)),
+    drawn in float64, different per population, following seed, feedback_seed and
+    traffic_seed; a single example is enough to build them."""
+    from lab.rules.learned import SDIL
+
+    def built(seed=0, **kw):
+        model, x, y = smooth_net()
+        rule = make_rule("sdil", model, {"feedback_scale": 0.3, **kw}, seed=seed)
+        rule.compute_gradients(x[:1], y[:1], None)
+        return rule
+
+    rule = built()
+    k = rule.A[0].shape[0]
+    assert k == 3 and [a.shape[1] for a in rule.A] == [16] * 7
+    a = torch.cat(rule.A, 1)
+    assert a.sum(0).abs().max() < 1e-15  # no all-ones component
+    # E (a - mean_k a)^2 = s^2 (1 - 1 / K); 336 entries: the std's sampling sd is ~5%.
+    assert float(a.square().mean().sqrt()) == pytest.approx(
+        0.3 / math.sqrt(k) * math.sqrt(1 - 1 / k), rel=0.15)
+    logs = torch.cat([c.log().flatten() for c in rule.coefficients])
+    assert float(logs.std()) == pytest.approx(0.25, rel=0.15)
+    assert float(logs.mean()) == pytest.approx(0.0, abs=0.1)
+    for t in rule.A + rule.coefficients:  # float64 draws, not float32 rounded
+        assert t.dtype == torch.float64 and not torch.equal(t, t.float().double())
+    assert not torch.equal(rule.coefficients[0], rule.coefficients[1])
+    assert not torch.equal(rule.A[0], rule.A[1])
+    same = built()
+    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.coefficients,
+                                                  same.A + same.coefficients))
+    model, x, y = smooth_net()
+    default = SDIL(model, SDIL.Params(feedback_scale=0.3))  # seed 0
+    default.compute_gradients(x[:1], y[:1], None)
+    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.coefficients,
+                                                  default.A + default.coefficients))
+    other_seed, other_fb, other_traffic = built(seed=1), built(feedback_seed=1), \
+        built(traffic_seed=1)
+    for u, v in zip(rule.A, other_seed.A):
+        assert not torch.equal(u, v)
+    for u, v in zip(rule.coefficients, other_seed.coefficients):
+        assert not torch.equal(u, v)
+    for i in range(len(rule.A)):
+        assert not torch.equal(rule.A[i], other_fb.A[i])
+        assert torch.equal(rule.coefficients[i], other_fb.coefficients[i])
+        assert torch.equal(rule.A[i], other_traffic.A[i])
+        assert not torch.equal(rule.coefficients[i], other_traffic.coefficients[i])
+    assert rule.gains == [0.0] * 7 and all(float(p.abs().max()) == 0.0 for p in rule.P + rule.b)
+
+
+def test_lhfa_draws_fa_feedback_for_its_seed():
+    from lab.rules.learned import LearnedFA
+
+    for seed in (0, 5):
+        model, _, _ = smooth_net()
+        rule = LearnedFA(model, seed=seed) if seed else LearnedFA(model)
+        fa = make_rule("fa", smooth_net()[0], seed=seed)
+        assert all(torch.equal(b, f) for b, f in zip(rule.feedback, fa.feedback))
+
+
+@pytest.mark.parametrize("name", ["lhfa", "sdil"])
+def test_fresh_rule_metrics_and_state(name):
+    model, x, y = smooth_net()
+    rule = make_rule(name, model, {}, seed=0)
+    metrics = rule.epoch_metrics()
+    assert metrics["calibration"]["events"] == 0 and math.isnan(metrics["calibration"]["fit"])
+    final = rule.final_metrics(x, y)
+    assert math.isnan(final["calibration"]["fit"])
+    twin = make_rule(name, smooth_net()[0], {}, seed=0)
+    twin.load_state_dict(copy.deepcopy(rule.state_dict()))  # before any tensor is drawn
+    assert math.isnan(twin.fit) and twin.events == 0
+    if name == "sdil":
+        assert twin.A is None and twin.P == [None] * 7
+        assert final["gains"] == [0.0] * 7
+        bill = rule.work(model.layer_macs((1, x.shape[2])), 5)
+        assert bill["feedback_propagation"] == bill["calibration"] == 0
+        assert bill["traffic_calibration"] == 0
+        assert rule.elementwise(5)["mixed_apical"] == 0
+
+
+def test_rules_name_themselves_in_model_errors():
+    import torch.nn as nn
+
+    from lab.models.mlp import MLP
+
+    for name in ("lhfa", "sdil"):
+        with pytest.raises(ConfigError, match=rf"rule '{name}' needs a lab.models.ResNet"):
+            make_rule(name, MLP(4, (3,), 2), {}, seed=0)
+    with pytest.raises(ValueError, match=r"rule 'sdil' cannot train Sequential"):
+        make_rule("sdil", nn.Sequential(nn.Linear(2, 2)), {}, seed=0)
+
+
+@pytest.mark.parametrize("name, key", [("lhfa", "calibration_batch"),
+                                       ("sdil", "calibration_batch"),
+                                       ("sdil", "predictor_batch")])
+def test_prefix_bounds_are_inclusive(name, key):
+    """A draw as large as the training set is allowed; one more example is refused."""
+    extra = {"a_warmup_steps": 1, "predictor_warmup_steps": 1, "predictor_batch": 2,
+             "traffic_calibration_examples": 2} if name == "sdil" else {"warmup_steps": 1}
+    params = {**extra, "calibration_batch": 2, "pert_directions": 1}
+    model, x, y = smooth_net()
+    make_rule(name, model, {**params, key: len(x)}, seed=0).prepare(x, y)
+    rule = make_rule(name, smooth_net()[0], {**params, key: len(x) + 1}, seed=0)
+    with pytest.raises(ConfigError, match=rf"^{name}: {key}=5 but the training set has only 4 "
+                                          r"examples; allowed: 1 to 4$"):
+        rule.prepare(x, y)
+
+
+def test_lhfa_records_only_when_asked():
+    model, x, y = smooth_net()
+    rule = make_rule("lhfa", model, {}, seed=0)
+    assert rule.compute_gradients(x, y, None).teaching is None
+    assert len(rule.compute_gradients(x, y, None, record=True).teaching) == 7
+
+
+def _forward_per_example(model, x, modules=None):
+    """One example's forward MACs, counted by hooks (over ``modules``, default all layers)."""
+    counted = {"macs": 0}
+
+    def hook(module, inputs, output):
+        per_output = (module.in_channels * math.prod(module.kernel_size)
+                      if isinstance(module, Conv) else module.in_features)
+        counted["macs"] += output.numel() * per_output
+
+    chosen = [m for _, m in local_layers(model)] if modules is None else modules
+    handles = [m.register_forward_hook(hook) for m in chosen]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert counted["macs"] % len(x) == 0
+    return counted["macs"] // len(x)
+
+
+def _units(model, x):
+    hs = []
+    with torch.no_grad():
+        model(x, tap=lambda i, h: hs.append(h) or h)
+    return [h[0].numel() for h in hs]
+
+
+@pytest.mark.parametrize("name", ["lhfa", "sdil"])
+def test_bill_after_warmup_and_steps_from_explicit_counts(name):
+    """Warm-up events on calibration_batch draws, then events every pert_every steps on the
+    step's batch; every component recomputed from hooks and explicit event/example/
+    direction/update counts."""
+    model, x, y = smooth_net()
+    k, batch, cal = 2, len(y), 3
+    params = {"pert_directions": k, "pert_every": 3, "calibration_batch": cal}
+    if name == "sdil":
+        params.update(a_warmup_steps=2, predictor_every=2, predictor_warmup_steps=2,
+                      predictor_batch=batch, traffic_calibration_examples=batch)
+    else:
+        params.update(warmup_steps=2)
+    rule = make_rule(name, model, params, seed=0)
+    rule.prepare(x, y)
+    for step in range(5):
+        rule.compute_gradients(x, y, step)
+    events, examples = 2 + 1, 2 * cal + batch  # warm-up, then step 3 (of 1..5)
+    assert rule.events == events and rule.calibration_examples == examples
+    layer_macs = model.layer_macs((1, x.shape[2]))
+    forward = _forward_per_example(model, x)
+    assert forward == sum(layer_macs.values())
+    units = _units(model, x)
+    n = 7
+    work, trained = rule.work(layer_macs, 11), 11
+    assert work["perturbation"] == rule.estimator.macs(layer_macs)
+    # Perturbed elements: 2K passes per observed population and event, each of B x units.
+    elements = 2 * k * examples * sum(units)
+    if name == "lhfa":
+        fb = _forward_per_example(model, x, [m for _, m in rule.layers])
+        assert fb == rule.feedback_macs(layer_macs)
+        assert work == {"forward": forward * trained, "local_correlation": forward * trained,
+                        "feedback_propagation": fb * trained,
+                        "calibration": examples * (forward + 3 * fb),
+                        "perturbation": work["perturbation"]}
+        assert rule.elementwise(trained) == {"perturbation": 4 * elements}
+        return
+    kk = 3  # classes
+    updates = 2 + 2  # warm-up, then steps 2 and 4
+    assert rule.predictor_updates == updates and rule.steps == 5 and rule.gain_examples == batch
+    assert work == {"forward": forward * trained, "local_correlation": forward * trained,
+                    "feedback_propagation": kk * sum(units) * trained,
+                    "calibration": examples * (forward + 3 * kk * sum(units)),
+                    "perturbation": work["perturbation"],
+                    "predictor_warmup": 2 * batch * forward,
+                    "traffic_calibration": batch * (forward + kk * sum(units))}
+    assert rule.elementwise(trained) == {
+        "mixed_apical": 12 * sum(units) * trained,
+        "predictor": updates * batch * 8 * sum(units),
+        "perturbation": 4 * elements}
+    assert len(units) == n

@@ -303,3 +303,120 @@ def test_records_written_before_the_lifecycle_port_are_reproduced(tmp_path, run_
                   records.without_timings(new["trajectory"]))
     assert new["final"] == old["final"]
     assert new["work"]["macs"]["forward"] == old["work"]["macs"]["forward"]
+
+
+# -- the trainer does what the config says (mutation-testing survivors) -------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(eval_split="test", eval_every=1, val_fraction=0.2),
+     r"eval_split='test' with eval_every=1 would look at the test split"),
+    (dict(eval_every=1, val_fraction=0.0), r"eval_every > 0 needs a validation split"),
+])
+def test_config_refuses_evaluations_it_cannot_make_honestly(tiny, kw, message):
+    from lab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ConvConfig(**{**tiny, **kw})
+
+
+def test_config_records_the_rules_resolved_parameters(tiny):
+    from lab.rules.registry import resolve_params
+
+    config = ConvConfig(**tiny, rule="kp_traffic", rule_params={"traffic_rule": "raw"})
+    assert config.rule_params == resolve_params("kp_traffic", {"traffic_rule": "raw"})
+    assert config.rule_params["traffic_ratio"] == 4.0 and len(config.rule_params) > 5
+
+
+def test_periodic_evaluations_fall_on_their_cadence_and_match_the_declaration(tiny, tmp_path):
+    from analysis.completeness import check_complete
+
+    config = ConvConfig(**{**tiny, "epochs": 7}, val_fraction=0.25, eval_every=3,
+                        alignment_every=3, alignment_batch=16)
+    record = train_conv(config, tmp_path / "r", run_id="r")
+    rows = record["trajectory"]
+    assert [e for e, r in enumerate(rows) if r["val_acc"] is not None] == [2, 5]
+    assert [e for e, r in enumerate(rows) if r["alignment"] is not None] == [2, 5]
+    assert record["expect"] == {
+        "axis": "epoch", "count": 7, "stride": 1,
+        "metrics": ["train_loss", "train_acc", "lr"],
+        "periodic": [["val_loss", 3, 2], ["val_acc", 3, 2], ["alignment/", 3, 2]],
+        "final": ["test_loss", "test_acc"]}
+    check_complete(records.load_runs(tmp_path), records.load_metrics(tmp_path), ["r"])
+    assert record["run_id"] == "r" and record["environment"]["device"] == "cpu"
+
+
+def test_a_rules_row_metrics_are_declared(tiny):
+    record = train_conv(ConvConfig(**{**tiny, "epochs": 1}, rule="lhfa",
+                                   rule_params={"warmup_steps": 0, "pert_every": 10 ** 6}))
+    assert record["expect"]["metrics"] == [
+        "train_loss", "train_acc", "lr", "rule/feedback/mean_cos",
+        "rule/perturbation/loss_queries", "rule/calibration/events"]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_recorded_learning_rate_follows_the_other_schedules(tiny, schedule):
+    config = ConvConfig(**{**tiny, "epochs": 4}, schedule=schedule)
+    lrs = [row["lr"] for row in train_conv(config)["trajectory"]]
+    steps, total = 4, 16
+    if schedule == "constant":
+        want = [config.lr] * 4
+    else:  # CosineAnnealingLR to zero over the run, read after each epoch's last step
+        want = [config.lr * (1 + math.cos(math.pi * (e + 1) * steps / total)) / 2
+                for e in range(4)]
+    assert lrs == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_optimizers_take_the_configs_settings(tiny):
+    run = conv.build_run(ConvConfig(**tiny, momentum=0.0, nesterov=True, weight_decay=3e-4,
+                                    lr=0.05, schedule="constant"))
+    group = run.optimizer.param_groups[0]
+    assert isinstance(run.optimizer, torch.optim.SGD)
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (
+        0.05, 0.0, False, 3e-4)  # no momentum: Nesterov has nothing to look ahead with
+    run = conv.build_run(ConvConfig(**tiny, momentum=0.8, nesterov=True, lr=0.05,
+                                    schedule="constant"))
+    assert run.optimizer.param_groups[0]["nesterov"] is True
+    run = conv.build_run(ConvConfig(**tiny, optimizer="adam", lr=0.002, weight_decay=0.01))
+    group = run.optimizer.param_groups[0]
+    assert isinstance(run.optimizer, torch.optim.AdamW)
+    assert group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999)
+    run.optimizer.step(), run.scheduler.step()  # one-cycle leaves Adam's betas alone
+    assert group["betas"] == (0.9, 0.999) and group["max_lr"] == 0.002
+
+
+def test_the_split_follows_the_seed(tiny):
+    from lab.data import load_dataset
+
+    for seed in (0, 1):
+        run = conv.build_run(ConvConfig(**tiny, seed=seed, val_fraction=0.25))
+        want = load_dataset("mnist1d", val_fraction=0.25, split_seed=seed, n_train=256)
+        assert torch.equal(run.data.val.y, want.val.y)
+        assert torch.allclose(run.data.val.x, want.val.x.to(run.data.val.x))
+
+
+def test_a_fresh_run_prepares_the_rule_and_records_its_final_diagnostics(tiny, monkeypatch):
+    prepared, finals = [], []
+    real_prepare = RULES["lhfa"].prepare
+    real_final = RULES["lhfa"].final_metrics
+    monkeypatch.setattr(RULES["lhfa"], "prepare",
+                        lambda self, x, y: prepared.append(len(x)) or real_prepare(self, x, y))
+    monkeypatch.setattr(RULES["lhfa"], "final_metrics",
+                        lambda self, x, y: finals.append(len(x)) or real_final(self, x, y))
+    config = ConvConfig(**{**tiny, "epochs": 2}, rule="lhfa", alignment_batch=32,
+                        rule_params={"warmup_steps": 2, "pert_every": 10 ** 6,
+                                     "calibration_batch": 16})
+    record = train_conv(config)
+    assert prepared == [256] and finals == [32]
+    assert record["final"]["rule"]["calibration"]["events"] == 2  # the warm-up's, no others
+
+
+@pytest.mark.parametrize("augment, want", [("auto", "shift"), ("none", "none")])
+def test_the_augmentation_is_the_configs(tiny, monkeypatch, augment, want):
+    seen = set()
+    real = conv._train_epoch
+    monkeypatch.setattr(conv, "_train_epoch",
+                        lambda run, epoch, kind, life: seen.add(kind) or real(run, epoch, kind,
+                                                                              life))
+    train_conv(ConvConfig(**{**tiny, "epochs": 1}, augment=augment))
+    assert seen == {want}
