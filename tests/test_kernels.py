@@ -369,3 +369,18 @@ def test_bench_kernels_quick_smoke(capsys):
     for line in ("mixed_apical speedup vs torch reference", "mixed_apical bandwidth / torch "
                  "add(out=)", "aux_add bandwidth / torch add_", "GB/s", "threads: numba"):
         assert line in text, line
+
+
+def test_predictor_update_names_each_bad_argument_and_bumps_both_versions():
+    h = torch.rand(4, 3, 5)
+    good = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=r"^h \(shape \(4,\), .*must be a non-empty population"):
+        nk.predictor_update(torch.rand(4), h, good, good.clone(), 0.1)
+    with pytest.raises(ValueError, match=r"^P \(shape \(5, 3\).*must be per unit, shape \(3, 5\)"):
+        nk.predictor_update(h, h, torch.zeros(5, 3), good.clone(), 0.1)
+    with pytest.raises(ValueError, match=r"^b \(shape \(3, 5\), stride \(1, 3\).*written in place"):
+        nk.predictor_update(h, h, good.clone(), torch.zeros(5, 3).t(), 0.1)
+    P, b = good.clone(), good.clone()
+    versions = P._version, b._version
+    nk.predictor_update(h, h, P, b, 0.1)
+    assert P._version > versions[0] and b._version > versions[1]

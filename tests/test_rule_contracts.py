@@ -175,3 +175,33 @@ def test_counts_are_the_passes_made(per_example):
     assert est.counts() == {"loss_queries": 6, "observations": 6 * (6 if per_example else 1),
                             "example_passes": 36}
     assert est.elementwise() == 4 * 3 * (hs[2].numel() + hs[4].numel())
+
+
+def test_alignment_leaves_a_rules_own_group_tensors_alone():
+    """A tensor in ``param_groups`` keeps its gradient through an alignment probe."""
+    from lab.diagnostics.alignment import alignment
+    from lab.rules.base import Rule
+
+    model, x = _model()
+    extra = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+
+    class WithGroup(Rule):
+        name = "with_group_contract"
+
+        def param_groups(self):
+            return [{"params": [extra], "lr": 0.5}]
+
+        def compute_gradients(self, x, y, step, record=False):
+            from lab.rules.common import Recorder
+
+            recorder = Recorder(len(y))
+            F.cross_entropy(self.model(x, tap=recorder), y).backward()
+            extra.grad = torch.full_like(extra, 7.0)
+            from lab.rules.base import StepResult
+            return StepResult(None, None, recorder.teaching() if record else None)
+
+    rule = WithGroup(model)
+    sentinel = torch.full_like(extra, -1.0)
+    extra.grad = sentinel
+    alignment(model, rule, x, Y)
+    assert extra.grad is sentinel and torch.equal(sentinel, torch.full_like(extra, -1.0))
