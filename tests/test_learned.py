@@ -321,15 +321,17 @@ def _nlms(x_old, grad, curvature, eta):
     return x_old - eta * grad.square().sum() / curvature * grad
 
 
-@pytest.mark.parametrize("difference", ["central", "forward"])
-def test_lhfa_one_event_is_the_exact_nlms_step(difference):
+@pytest.mark.parametrize("difference, per_example", [("central", False), ("forward", False),
+                                                      ("forward", True)])
+def test_lhfa_one_event_is_the_exact_nlms_step(difference, per_example):
     """Complete orthogonal directions (exact observations): R_l = t_l - dL/dh_l, and each B
     takes X -= eta ||G||^2 / ||t(G)||^2 G with G and t(G) from autograd."""
     model, x, y = smooth_net()
     sigma = 1e-5 if difference == "central" else 1e-8
     eta = 0.7
     rule = make_rule("lhfa", model, {**EXACT, "eta_A": eta, "pert_sigma": sigma,
-                                     "pert_difference": difference, "warmup_steps": 0}, seed=0)
+                                     "pert_difference": difference, "pert_per_example": per_example,
+                                     "warmup_steps": 0}, seed=0)
     _, true, _ = true_gradients(copy.deepcopy(model), x, y)  # the copy has no B: backprop
     hs, teaching, deltas = _fa_signals(model, x, y, rule.layers)
     old = [b.clone() for b in rule.feedback]
@@ -346,8 +348,9 @@ def test_lhfa_one_event_is_the_exact_nlms_step(difference):
         fits.append(float(residual.norm() / true[index].norm()))
     k, n = EXACT["pert_directions"], len(rule.reads)
     queries = (2 if difference == "central" else 1) * k * n
-    assert rule.estimator.counts() == {"loss_queries": queries, "observations": queries,
-                                       "example_passes": queries * len(y)}
+    assert rule.estimator.counts() == {
+        "loss_queries": queries, "observations": queries * (len(y) if per_example else 1),
+        "example_passes": queries * len(y)}
     fit = sum(fits) / len(fits)
     assert rule.fit == pytest.approx(fit, rel=tol)
     assert rule.final_metrics(x, y) == {
@@ -359,15 +362,16 @@ def test_lhfa_one_event_is_the_exact_nlms_step(difference):
     assert "feedback" in metrics  # fa's tracking of B
 
 
-@pytest.mark.parametrize("difference", ["central", "forward"])
-def test_sdil_one_event_is_the_exact_nlms_step(difference):
+@pytest.mark.parametrize("difference, per_example", [("central", False), ("forward", False),
+                                                      ("forward", True)])
+def test_sdil_one_event_is_the_exact_nlms_step(difference, per_example):
     """A_l -= eta ||G||^2 / ||e G||^2 G, G = e^T (e A_l - dL/dh_l), exact observations."""
     model, x, y = smooth_net()
     sigma = 1e-5 if difference == "central" else 1e-8
     eta = 0.7
     rule = make_rule("sdil", model, {**EXACT, "eta_A": eta, "pert_sigma": sigma,
-                                     "pert_difference": difference, "a_warmup_steps": 0},
-                     seed=0)
+                                     "pert_difference": difference, "pert_per_example": per_example,
+                                     "a_warmup_steps": 0}, seed=0)
     rule.compute_gradients(x, y, None)  # shapes: A_l drawn
     hs, true, _ = true_gradients(model, x, y)
     e = output_error(model(x).detach(), y)  # (B, K)
@@ -383,8 +387,9 @@ def test_sdil_one_event_is_the_exact_nlms_step(difference):
         fits.append(float(residual.norm() / g.norm()))
     k, n = EXACT["pert_directions"], len(hs)
     queries = (2 if difference == "central" else 1) * k * n
-    assert rule.estimator.counts() == {"loss_queries": queries, "observations": queries,
-                                       "example_passes": queries * len(y)}
+    assert rule.estimator.counts() == {
+        "loss_queries": queries, "observations": queries * (len(y) if per_example else 1),
+        "example_passes": queries * len(y)}
     assert rule.fit == pytest.approx(sum(fits) / len(fits), rel=tol)
     assert rule.final_metrics(x, y) == {
         "perturbation": rule.estimator.counts(), "gains": [0.0] * n,

@@ -269,8 +269,9 @@ def test_the_bill_adds_no_macs_to_kp_and_counts_element_wise_work_apart(traffic_
     assert units == sum(h[0].numel() for h in rule.last_h.values())
     per_unit = {"none": ("mixed_apical", 12), "innovation": ("mixed_local", 30)}[traffic_rule]
     assert work["elementwise"][per_unit[0]] == per_unit[1] * units * 96
-    # warm-up passes (3) and every second training step (2) update the predictor
-    assert work["elementwise"]["predictor"] == (3 + 2) * 8 * 8 * units
+    # warm-up passes (3 of predictor_batch 8) and every second training step (2 of the
+    # step's 24 examples) update the predictor
+    assert work["elementwise"]["predictor"] == (3 * 8 + 2 * 24) * 8 * units
 
 
 def _true_gradients(model, x, y):

@@ -316,6 +316,7 @@ class SDIL(Rule):
         self.b: list[torch.Tensor | None] = [None] * n
         self.gains = [0.0] * n
         self.steps = self.events = self.calibration_examples = self.predictor_updates = 0
+        self.predictor_examples = 0  # examples the predictor updates saw (the bill)
         self.fit = math.nan
         self.gain_examples = 0
         self._reset_sums()
@@ -397,6 +398,7 @@ class SDIL(Rule):
             numba_kernels.predictor_update(h.contiguous(), traffic.contiguous(), self.P[i],
                                            self.b[i], self.params.predictor_lr)
         self.predictor_updates += 1
+        self.predictor_examples += len(hs[0])
 
     # -- calibration ---------------------------------------------------------------------
 
@@ -478,6 +480,7 @@ class SDIL(Rule):
                 "estimator": self.estimator.state_dict(), "steps": self.steps,
                 "events": self.events, "calibration_examples": self.calibration_examples,
                 "predictor_updates": self.predictor_updates, "fit": self.fit,
+                "predictor_examples": self.predictor_examples,
                 "gain_examples": self.gain_examples,
                 "sums": {k: list(v) for k, v in self.sums.items()},
                 "numels": list(self.numels)}
@@ -491,7 +494,7 @@ class SDIL(Rule):
         self.batch_generator.set_state(state["batch_generator"])
         self.estimator.load_state_dict(state["estimator"])
         for key in ("steps", "events", "calibration_examples", "predictor_updates", "fit",
-                    "gain_examples"):
+                    "predictor_examples", "gain_examples"):
             setattr(self, key, state[key])
         self.sums = {k: list(v) for k, v in state["sums"].items()}
         self.numels = list(state["numels"])
@@ -512,7 +515,7 @@ class SDIL(Rule):
 
     def elementwise(self, examples):
         units = sum(p.numel() for p in self.P if p is not None)
-        updates = self.predictor_updates * self.params.predictor_batch * 8 * units
+        updates = self.predictor_examples * 8 * units  # warm-up and training batches
         return {"mixed_apical": 12 * units * examples, "predictor": updates,
                 "perturbation": self.estimator.elementwise()}
 

@@ -167,6 +167,7 @@ class KolenPollackTraffic(KolenPollack):
         self.warmup = {"first_ratio": math.nan, "last_ratio": math.nan}
         self.calibration_examples = 0
         self.predictor_updates = 0
+        self.predictor_examples = 0  # examples the predictor updates saw (the bill)
         self.last_h: dict[int, torch.Tensor] = {}
         self._reset_sums()
 
@@ -343,6 +344,7 @@ class KolenPollackTraffic(KolenPollack):
             numba_kernels.predictor_update(h, traffic, self.P[i], self.b[i],
                                            self.params.predictor_lr)
         self.predictor_updates += 1
+        self.predictor_examples += len(next(iter(hs.values())))
 
     # -- before training: calibration and predictor warm-up -----------------------
 
@@ -473,6 +475,7 @@ class KolenPollackTraffic(KolenPollack):
                 "predictor_generator": self.predictor_generator.get_state(),
                 "warmup": dict(self.warmup), "calibration_examples": self.calibration_examples,
                 "predictor_updates": self.predictor_updates,
+                "predictor_examples": self.predictor_examples,
                 "sums": {k: list(v) for k, v in self.sums.items()},
                 "numels": list(self.numels), "summed_steps": self.summed_steps}
 
@@ -485,6 +488,7 @@ class KolenPollackTraffic(KolenPollack):
         self.warmup = dict(state["warmup"])
         self.calibration_examples = state["calibration_examples"]
         self.predictor_updates = state["predictor_updates"]
+        self.predictor_examples = state["predictor_examples"]
         self.sums = {k: list(v) for k, v in state["sums"].items()}
         self.numels = list(state["numels"])
         self.summed_steps = state["summed_steps"]
@@ -506,7 +510,7 @@ class KolenPollackTraffic(KolenPollack):
             # Pass 1: traffic, raw, correction, innovation, mask, xhat and six sums;
             # pass 2: the correction, mask, xhat and base + k (m - a - xhat c).
             apical = {"mixed_local": 30 * units * examples}
-        updates = self.predictor_updates * self.params.predictor_batch * 8 * units
+        updates = self.predictor_examples * 8 * units  # warm-up and training batches
         return {**super().elementwise(examples), **apical, "predictor": updates}
 
 
