@@ -165,3 +165,14 @@ def test_bad_arguments_are_refused_by_name(change, message):
     args = [kw.pop(k) for k in ("I", "h", "o", "C", "gain", "P", "b", "rule")]
     with pytest.raises((ValueError, TypeError), match=message):
         nk.mixed_local(*args, **kw)
+
+
+def test_a_norm_without_weight_is_gamma_one():
+    p, stats, base = _case((6, 2, 5, 7), torch.float64, seed=7)
+    args = (p["I"], p["h"], p["o"], p["C"], p["gain"], p["P"], p["b"], "innovation")
+    ones = dict(stats, gamma=torch.ones_like(stats["gamma"]))
+    plain = dict(stats, gamma=None)
+    for backend in ("auto", "torch"):
+        a = nk.mixed_local(*args, base=base, backend=backend, **plain)
+        b = nk.mixed_local(*args, base=base, backend=backend, **ones)
+        assert torch.equal(a.grad, b.grad) and torch.equal(a.dgamma, b.dgamma)

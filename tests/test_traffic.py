@@ -14,11 +14,13 @@ TRAFFIC_RULES = ("raw", "matched", "innovation")
 SHAPES = {1: (1, 40), 2: (3, 8, 8)}
 
 
-def _setup(rule, params=None, dims=1, seed=3, model_seed=0, normalization="batchnorm"):
+def _setup(rule, params=None, dims=1, seed=3, model_seed=0, normalization="batchnorm",
+           residual_scale=1.0):
     torch.manual_seed(model_seed)
     channels = SHAPES[dims][0]
     model = ResNet(8, 4, dims=dims, in_channels=channels, n_classes=10,
-                   normalization=normalization, dtype=torch.float64)
+                   normalization=normalization, residual_scale=residual_scale,
+                   dtype=torch.float64)
     return model, make_rule(rule, model, params or {}, seed=seed)
 
 
@@ -38,10 +40,11 @@ def _grads(model, rule, x, y, record=False):
     return grads, feedback, out
 
 
-def _calibrated(dims, traffic_rule, **extra):
+def _calibrated(dims, traffic_rule, residual_scale=1.0, **extra):
     model, rule = _setup("kp_traffic", {"traffic_rule": traffic_rule,
                                         "traffic_calibration_examples": 20,
-                                        "predictor_warmup_steps": 0, **extra}, dims)
+                                        "predictor_warmup_steps": 0, **extra}, dims,
+                         residual_scale=residual_scale)
     x, y = _batch(dims)
     rule.prepare(x, y)
     return model, rule, x, y
@@ -129,11 +132,13 @@ def test_matched_has_the_innovation_norm_and_the_raw_direction():
 
 
 @pytest.mark.parametrize("traffic_rule", TRAFFIC_RULES)
-def test_each_layer_learns_from_the_used_signal_at_its_population(traffic_rule):
-    """Oracle: autograd of sum(U * h) / B w.r.t. the producing layer alone."""
+@pytest.mark.parametrize("residual_scale", [1.0, 0.5])
+def test_each_layer_learns_from_the_used_signal_at_its_population(traffic_rule, residual_scale):
+    """Oracle: autograd of sum(U * h) / B w.r.t. the producing layer alone (the residual
+    scale on the norm's output included)."""
     import numba_kernels
 
-    model, rule, x, y = _calibrated(2, traffic_rule)
+    model, rule, x, y = _calibrated(2, traffic_rule, residual_scale=residual_scale)
     rule.P[2] = 0.3 * rule.coefficients[2] * rule.gains[2]
     rule.b[2].fill_(0.01)
     grads, feedback, out = _grads(model, rule, x, y, record=True)
