@@ -84,6 +84,14 @@ def _need_resnet(model, name):
                           f"the layers above a population), got {type(model).__name__}")
 
 
+def _estimator(model, p, seed: int, name: str) -> PerturbationEstimator:
+    """The rule's perturbation estimator from its ``pert_*`` parameters, on its own stream."""
+    return PerturbationEstimator(
+        model, sigma=p.pert_sigma, directions=p.pert_directions,
+        difference=p.pert_difference, basis=p.pert_basis, per_example=p.pert_per_example,
+        generator=torch.Generator().manual_seed(derive_seed(seed, name, "perturb")))
+
+
 def _draw_batch(x, y, size, generator):
     pick = torch.randperm(len(x), generator=generator)[:size].to(x.device)
     return x[pick], y[pick]
@@ -134,10 +142,7 @@ class LearnedFA(FeedbackAlignment):
         super().__init__(model, params, seed=seed)
         _need_resnet(model, self.name)
         p = self.params
-        self.estimator = PerturbationEstimator(
-            model, sigma=p.pert_sigma, directions=p.pert_directions,
-            difference=p.pert_difference, basis=p.pert_basis, per_example=p.pert_per_example,
-            generator=torch.Generator().manual_seed(derive_seed(seed, "lhfa", "perturb")))
+        self.estimator = _estimator(model, p, seed, "lhfa")
         self.batch_generator = torch.Generator().manual_seed(derive_seed(seed, "lhfa", "batch"))
         modules = [m for _, m in self.layers]
         # Population read by each B-carrying layer, in the order of self.layers.
@@ -302,10 +307,7 @@ class SDIL(Rule):
         check_supported(model, self.name)
         _need_resnet(model, self.name)
         p = self.params
-        self.estimator = PerturbationEstimator(
-            model, sigma=p.pert_sigma, directions=p.pert_directions,
-            difference=p.pert_difference, basis=p.pert_basis, per_example=p.pert_per_example,
-            generator=torch.Generator().manual_seed(derive_seed(seed, "sdil", "perturb")))
+        self.estimator = _estimator(model, p, seed, "sdil")
         self.generator = torch.Generator().manual_seed(derive_seed(seed, "sdil",
                                                                    p.feedback_seed))
         self.batch_generator = torch.Generator().manual_seed(derive_seed(seed, "sdil", "batch"))
