@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from lab.device import configure_process
 from lab.models.cfc import CfC, load_ncps
 
 BATCH, STEPS, INPUTS, UNITS = 32, 50, 20, 64
@@ -42,7 +43,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)  # threads and the allocator policy, as runs
     torch.manual_seed(0)
     x = torch.randn(BATCH, STEPS, INPUTS, requires_grad=True)
     variants = {}

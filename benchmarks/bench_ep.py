@@ -19,7 +19,7 @@ import time
 import torch
 
 from lab.data.text import load_corpus, sample_batch
-from lab.device import seeded
+from lab.device import configure_process, seeded
 from lab.models.transformer import Transformer
 from lab.train.ep import EPConfig, bp_gradient, ep_gradient
 
@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--K", default="1,2,4")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)  # threads and the allocator policy, as runs
     config = EPConfig()
     corpus = load_corpus("", seq_len=config.seq_len)
     x, y = sample_batch(corpus.train, config.batch_size, config.seq_len,

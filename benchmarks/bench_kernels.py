@@ -36,6 +36,7 @@ import numba
 import torch
 
 import numba_kernels as nk
+from lab.device import configure_process
 from numba_kernels import cpu
 
 SHAPES = [(128, 16, 32, 32), (128, 32, 16, 16), (128, 64, 8, 8)]
@@ -156,8 +157,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    numba.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    configure_process(args.threads)  # numba = torch threads, and the allocator policy of runs
     shapes, rounds = (QUICK_SHAPES, 5) if args.quick else (SHAPES, args.rounds)
     now = _timer(device)
     print(f"device {device}, {args.dtype}, {rounds} rounds (medians), threads: "

@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lab.device import configure_process
 from lab.models import ResNet
 from lab.rules import RULES, make_rule
 
@@ -124,6 +125,7 @@ def main():
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--every", type=int, default=8, help="lhfa/sdil pert_every")
     args = parser.parse_args()
+    configure_process(torch.get_num_threads())  # the allocator policy every run has
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)

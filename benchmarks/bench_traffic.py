@@ -20,6 +20,7 @@ import time
 import torch
 
 import numba_kernels
+from lab.device import configure_process
 from lab.models import ResNet
 from lab.rules import make_rule
 from lab.rules import traffic as traffic_rule
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="ResNet-8, batch 32: a smoke run")
     args = parser.parse_args()
+    configure_process(torch.get_num_threads())  # the allocator policy every run has
     depth, batch = (8, 32) if args.quick else (20, args.batch)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g)

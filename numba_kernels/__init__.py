@@ -10,11 +10,12 @@ a per-unit predictor), and the CfC trainer's gradient merge (DESIGN section 7):
   rescaling in a second);
 - ``predictor_update(h, T, P, b, eta)``: the per-unit normalised-LMS step of the
   traffic predictor (per-unit reductions over the batch), in place;
-- ``mixed_local(I, h, o, ..., base=...)``: the same signals carried to the
-  output of the layer that made the population: the correction used - I
-  through the ReLU mask, the residual scale and the batch norm's backward
-  (per-channel reductions, then the write), added to the instruction's own
-  gradient there (kp_traffic's hot path: one kernel instead of four passes);
+- ``mixed_local(I, h, o, ...)``: a population's whole backward step to the
+  output of the layer that made it: the used signal and the instruction through
+  the ReLU mask, the residual scale and the batch norm's backward (per-channel
+  reductions, then the writes), plus the shortcut's masked instruction
+  (kp_traffic's hot path: it replaces autograd's ReLU, scale and norm backward,
+  so the traffic adds only element-wise arithmetic, not memory passes);
 - ``aux_add(dst, src)``: ``dst += src`` in place.
 
 Each exists as a CUDA kernel (``gpu.py``: numba-cuda, zero-copy on torch CUDA
@@ -30,7 +31,15 @@ Tests hold the CPU forms and the CUDA forms (on the simulator,
 PTX for sm_90.
 """
 
-from .dispatch import BACKENDS, RULES, aux_add, mixed_apical, mixed_local, predictor_update
+from .dispatch import (
+                        BACKENDS,
+                        LOCAL_RULES,
+                        RULES,
+                        aux_add,
+                        mixed_apical,
+                        mixed_local,
+                        predictor_update,
+)
 from .reference import (
                         aux_add_reference,
                         mixed_apical_reference,
@@ -41,6 +50,7 @@ from .results import MixedApical, MixedLocal, PredictorStats
 
 __all__ = [
     "BACKENDS",
+    "LOCAL_RULES",
     "RULES",
     "MixedApical",
     "MixedLocal",

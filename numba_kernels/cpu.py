@@ -344,51 +344,94 @@ def aux_add(dst, src):
     (_add_serial if dst.size < SERIAL_BELOW else _add_parallel)(dst, src)
 
 
-# ---- mixed local: the used signal's correction through the local derivative ----------------
+# ---- mixed local: a population's backward step to the layer that made it ------------------
 
+# The clean reference of the mixed-traffic study: the used signal is the instruction.
+NONE = 3
+LOCAL_CODES = {"none": NONE, **RULE_CODES}
 # Per-channel sums of the local kernel: instruction, traffic, raw, innovation (squares),
-# then the masked correction m and m * xhat (the norm's backward reductions).
-L_M, L_MX = 4, 5
+# then the norm's backward reductions of the masked used signal m (sum m, sum m * xhat)
+# and of the masked instruction q (sum q, sum q * xhat).
+L_M, L_MX, L_Q, L_QX = 4, 5, 6, 7
+L_SUMS = 8
 
 
 def _make_local(rule):
     # One compiled pair of slab loops per rule (no rule branch inside a loop: the loops
     # vectorise). A slab is one example's slice of one channel, contiguous, length S.
+    @njit(cache=True, inline="always")
+    def used(i, t, r, n, f):
+        if rule == RAW:
+            return r
+        if rule == INNOVATION:
+            return n
+        if rule == MATCHED:
+            return f * r  # R * ||N_e|| / ||R_e||, as mixed_apical rounds it
+        return i
+
     @njit(cache=True, fastmath={"reassoc", "contract"})
     def sums(i_, h_, o_, gC, d, b, f, scale, mu, istd, zero):
-        s_i = s_t = s_r = s_n = s_m = s_mx = zero
+        # Pass 1: the norm's reductions of the masked used signal m and instruction q.
+        s_m = s_mx = s_q = s_qx = zero
         for j in range(i_.size):
             i, hv = i_[j], h_[j]
             t, r, n = _signals(i, hv, gC[j], d[j], b[j])
-            if rule == RAW:
-                dv = t
-            elif rule == INNOVATION:
-                dv = d[j] * hv - b[j]  # the correction itself, as N = I + (it)
-            else:
-                dv = f * r - i
-            m = scale * dv if hv > zero else zero
+            on = hv > zero
+            m = scale * used(i, t, r, n, f) if on else zero
+            q = scale * i if on else zero
             xh = (o_[j] - mu) * istd
-            s_i += i * i
-            s_t += t * t
-            s_r += r * r
-            s_n += n * n
             s_m += m
             s_mx += m * xh
-        return s_i, s_t, s_r, s_n, s_m, s_mx
+            s_q += q
+            s_qx += q * xh
+        return s_m, s_mx, s_q, s_qx
 
-    @njit(cache=True, fastmath={"contract"})
-    def write(i_, h_, o_, base, out, gC, d, b, f, scale, mu, istd, k, a, c, zero):
-        # out = base + k * (m - a - xhat * c); without a norm k = 1, a = c = 0, mu = istd = 0.
-        for j in range(i_.size):
-            i, hv = i_[j], h_[j]
-            if rule == RAW:
-                dv = gC[j] * hv
-            elif rule == INNOVATION:
-                dv = d[j] * hv - b[j]
-            else:
-                dv = f * (i + gC[j] * hv) - i
-            m = scale * dv if hv > zero else zero
-            out[j] = base[j] + k * (m - a - (o_[j] - mu) * istd * c)
+    def make_write(want_inst, want_masked):
+        # Pass 2, one loop per set of outputs (chosen at compile time, so no branch is
+        # left in the loop to keep it from vectorising), with the signals' sums of
+        # squares: this pass waits on its stores, pass 1 on its reductions, so the
+        # squares ride here nearly free.
+        @njit(cache=True, fastmath={"reassoc", "contract"})
+        def write(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero):
+            # out = k (m - mean m - xhat mean(m xhat)); inst the same for q; masked = I
+            # where h > 0. Without a norm k = 1, the means are 0 and mu = istd = 0, so
+            # out = m exactly.
+            k, a, c, aq, cq = kac[0], kac[1], kac[2], kac[3], kac[4]
+            s_i = s_t = s_r = s_n = zero
+            for j in range(i_.size):
+                i, hv = i_[j], h_[j]
+                t, r, n = _signals(i, hv, gC[j], d[j], b[j])
+                on = hv > zero
+                m = scale * used(i, t, r, n, f) if on else zero
+                xh = (o_[j] - mu) * istd
+                out[j] = k * (m - a - xh * c)
+                if want_inst:
+                    q = scale * i if on else zero
+                    inst[j] = k * (q - aq - xh * cq)
+                if want_masked:
+                    masked[j] = i if on else zero
+                s_i += i * i
+                s_t += t * t
+                s_r += r * r
+                s_n += n * n
+            return s_i, s_t, s_r, s_n
+        return write
+
+    write_u, write_ui = make_write(False, False), make_write(True, False)
+    write_um, write_uim = make_write(False, True), make_write(True, True)
+
+    @njit(cache=True)
+    def write(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero):
+        if inst.size and masked.size:
+            return write_uim(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd,
+                             kac, zero)
+        if inst.size:
+            return write_ui(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac,
+                            zero)
+        if masked.size:
+            return write_um(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac,
+                            zero)
+        return write_u(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero)
 
     @njit(cache=True)
     def example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero):
@@ -399,67 +442,78 @@ def _make_local(rule):
             sd = istd[ch] if has_norm else zero
             x = sums(I[e, ch], h[e, ch], o[e, ch], gC[ch], d[ch], b[ch], fac[e], scale, mu,
                      sd, zero)
-            for q in range(6):
-                part[e, ch, q] = x[q]
+            for q in range(4):
+                part[e, ch, L_M + q] = x[q]
 
     @njit(cache=True)
-    def example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                      e, zero):
+    def example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                      has_norm, e, part, zero):
         for ch in range(I.shape[1]):
             mu = mean[ch] if has_norm else zero
             sd = istd[ch] if has_norm else zero
-            write(I[e, ch], h[e, ch], o[e, ch], base[e, ch], out[e, ch], gC[ch], d[ch], b[ch],
-                  fac[e], scale, mu, sd, kac[ch, 0], kac[ch, 1], kac[ch, 2], zero)
+            x = write(I[e, ch], h[e, ch], o[e, ch], out[e, ch], inst[e, ch], masked[e, ch],
+                      gC[ch], d[ch], b[ch], fac[e], scale, mu, sd, kac[ch], zero)
+            for q in range(4):
+                part[e, ch, q] = x[q]
 
     @njit(cache=True)
-    def combine(part, gamma, istd, has_norm, count, chan, kac):
-        # Channel sums: examples added in example order (float64); then per channel the
-        # norm's k = gamma * invstd, mean(m), mean(m xhat), rounded to the input dtype.
+    def combine(part, q0, q1, chan):
+        # Channel sums of columns q0:q1: examples added in example order (float64).
         for ch in range(part.shape[1]):
-            for q in range(6):
+            for q in range(q0, q1):
                 acc = 0.0
                 for e in range(part.shape[0]):
                     acc += part[e, ch, q]
                 chan[ch, q] = acc
-            if has_norm:
-                kac[ch, 0] = gamma[ch] * istd[ch]
-                kac[ch, 1] = chan[ch, L_M] / count
-                kac[ch, 2] = chan[ch, L_MX] / count
-            else:
-                kac[ch, 0] = 1.0
-                kac[ch, 1] = 0.0
-                kac[ch, 2] = 0.0
-
-    @njit(cache=True, parallel=True)
-    def parallel(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm,
-                 chan, zero):
-        B, Ch = I.shape[0], I.shape[1]
-        part = np.empty((B, Ch, 6))
-        for e in prange(B):
-            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
-        kac = np.empty((Ch, 3), dtype=I.dtype)
-        combine(part, gamma, istd, has_norm, B * I.shape[2], chan, kac)
-        for e in prange(B):
-            example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                          e, zero)
 
     @njit(cache=True)
-    def serial(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm, chan,
-               zero):
+    def factors(chan, gamma, istd, has_norm, count, kac):
+        # Per channel the norm's k = gamma * invstd and the means of m, m xhat, q,
+        # q xhat, rounded to the input dtype.
+        for ch in range(chan.shape[0]):
+            if has_norm:
+                kac[ch, 0] = gamma[ch] * istd[ch]
+                for q in range(4):
+                    kac[ch, 1 + q] = chan[ch, L_M + q] / count
+            else:
+                kac[ch, 0] = 1.0
+                for q in range(1, 5):
+                    kac[ch, q] = 0.0
+
+    @njit(cache=True, parallel=True)
+    def parallel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
+                 has_norm, chan, zero):
         B, Ch = I.shape[0], I.shape[1]
-        part = np.empty((B, Ch, 6))
+        part = np.empty((B, Ch, L_SUMS))
+        for e in prange(B):
+            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
+        combine(part, L_M, L_SUMS, chan)
+        kac = np.empty((Ch, 5), dtype=I.dtype)
+        factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
+        for e in prange(B):
+            example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                          has_norm, e, part, zero)
+        combine(part, 0, L_M, chan)
+
+    @njit(cache=True)
+    def serial(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
+               has_norm, chan, zero):
+        B, Ch = I.shape[0], I.shape[1]
+        part = np.empty((B, Ch, L_SUMS))
         for e in range(B):
             example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
-        kac = np.empty((Ch, 3), dtype=I.dtype)
-        combine(part, gamma, istd, has_norm, B * I.shape[2], chan, kac)
+        combine(part, L_M, L_SUMS, chan)
+        kac = np.empty((Ch, 5), dtype=I.dtype)
+        factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
         for e in range(B):
-            example_write(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                          e, zero)
+            example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                          has_norm, e, part, zero)
+        combine(part, 0, L_M, chan)
 
     return serial, parallel
 
 
-_LOCAL = {rule: _make_local(rule) for rule in (RAW, INNOVATION, MATCHED)}
+_LOCAL = {rule: _make_local(rule) for rule in (RAW, INNOVATION, MATCHED, NONE)}
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
@@ -489,22 +543,25 @@ def _matched_rows(I, h, gC, d, b, rows, fac, zero):
         fac[e] = math.sqrt(s_n / s_r) if s_r > 0.0 else 0.0  # rounded to the input dtype
 
 
-def mixed_local(I, h, o, base, out, C, g, P, b, rule: int, scale, mean, istd, gamma):
-    """The used signal's correction through the local derivative (numpy arrays).
+def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, istd,
+                gamma):
+    """A population's backward step to the output o of the layer that made it (numpy).
 
-    I, h, o (the producing layer's output), base, out: (B, Ch, S); C, P, b: (Ch, S);
-    mean, istd, gamma: (Ch,) or None (no norm); g, scale: scalars of the input dtype.
-    out = base + local(used - I); ``out`` may be ``base`` (then updated in place).
+    I, h, o, out: (B, Ch, S); ``inst``, ``masked``: (B, Ch, S), or (B, Ch, 0) when not
+    wanted; C, P, b: (Ch, S); mean, istd, gamma: (Ch,) or None (no norm); g, scale:
+    scalars of the input dtype. out = L(used), inst = L(I), masked = I where h > 0,
+    with L the ReLU mask, ``scale`` and the norm's backward.
 
-    Launch: ``prange`` over channels (the norm's sums are per channel), each task
-    both passes over its channel: sums (slab partials in the input dtype, added
-    in float64 in example order), then the writes; matched first runs a
-    ``prange`` over examples for the per-example norms. Memory contract: reads
-    I, h, o twice and base once, writes out once: 8 * itemsize bytes per
-    element (the second reads of a channel often come from cache), +4 for
-    matched's first pass; C, P, b read once per channel slab. Returns
-    float64 (Ch, 6) per-channel sums [ss I, ss T, ss R, ss N, sum m, sum m xhat]
-    and, for matched, the per-example rows (B, 2) [ss R, ss N], else None.
+    Launch: ``prange`` over examples for the norm's per-channel slab sums (each task
+    reads its example in memory order), a serial per-channel combine (examples
+    added in example order, float64), then ``prange`` over examples for the writes,
+    which form the sums of squares on the way (combined the same way); matched first
+    runs a ``prange`` over examples for the per-example norms. Memory contract:
+    reads I, h, o twice; writes out, and inst and masked when wanted (not in place):
+    (7 + wanted outputs) * itemsize bytes per element, +2 for matched's first pass;
+    C, P, b read once per slab. Returns float64 (Ch, 8) per-channel sums [ss I, ss T,
+    ss R, ss N, sum m, sum m xhat, sum q, sum q xhat] and, for matched, the
+    per-example rows (B, 2) [ss R, ss N], else None.
     """
     B, Ch, S = I.shape
     gC, d, _, _, zero = _setup(I, C, g, P)
@@ -519,7 +576,8 @@ def mixed_local(I, h, o, base, out, C, g, P, b, rule: int, scale, mean, istd, ga
     if not has_norm:
         mean = istd = gamma = np.zeros(1, dtype=I.dtype)
         o = h
-    chan = np.empty((Ch, 6))
+    chan = np.empty((Ch, L_SUMS))
     kernel = _LOCAL[rule][0 if I.size < SERIAL_BELOW else 1]
-    kernel(I, h, o, base, out, gC, d, b, fac, scale, mean, istd, gamma, has_norm, chan, zero)
+    kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma, has_norm,
+           chan, zero)
     return chan, rows

@@ -27,6 +27,8 @@ from . import cpu, reference
 from .results import MixedApical, MixedLocal, PredictorStats
 
 RULES = ("raw", "matched", "innovation")
+# mixed_local also takes the clean reference, whose used signal is the instruction.
+LOCAL_RULES = ("none", *RULES)
 BACKENDS = ("auto", "numba", "torch")
 DTYPES = (torch.float32, torch.float64)
 
@@ -271,30 +273,32 @@ def _channel_stats(name: str, t, h: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def mixed_local(I, h, o, C, gain, P, b, rule: str, *, base=None, mean=None,  # noqa: E741
-                invstd=None, gamma=None, scale: float = 1.0, out=None,
-                backend: str = "auto") -> MixedLocal:
-    """The used signal of one population carried to the output of the layer that made it.
+def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  # noqa: E741
+                gamma=None, scale: float = 1.0, instruction: bool = False,
+                masked: bool = False, out=None, backend: str = "auto") -> MixedLocal:
+    """One population's backward step, from h to the output o of the layer that made it.
 
-    For h = relu(scale * norm(o) + shortcut) (or relu(norm(o))), with I the
-    instruction at h: ``.grad`` = base + local(used - I), where local applies the
-    ReLU mask (h > 0), ``scale`` and the batch norm's backward with the batch
-    statistics ``mean``, ``invstd`` (per channel, dim 1) and weight ``gamma`` (None:
-    1); no ``mean``: no norm. With ``base`` the instruction's own gradient at o
-    (autograd's), ``.grad`` is the used signal's gradient at o, and ``.dgamma``,
-    ``.dbeta`` (per channel) are what the correction adds to the norm's parameter
-    gradients; a zero correction (zero gain and predictor) leaves base bit for bit.
-    Sums of squares as ``mixed_apical``'s. Shapes: I, h, o, base, out (B, Ch, *S);
-    C, P, b (Ch, *S). ``out`` may be ``base`` (updated in place).
+    For h = relu(scale * norm(o) + shortcut) (or relu(scale * o + shortcut) with no
+    norm), I the instruction at h and U the used signal (``mixed_apical``'s; rule
+    ``none``: U = I, the clean reference), with L(X) the backward of X through the
+    ReLU mask (h > 0), ``scale`` and the batch norm (batch statistics ``mean``,
+    ``invstd`` per channel, dim 1; weight ``gamma``, None: 1; no ``mean``: no norm):
+    ``.grad`` = L(U), what the layer's weights and the norm's parameters learn from
+    (``.dgamma``, ``.dbeta`` per channel); with ``instruction`` also
+    ``.instruction_grad`` = L(I), what is carried on to lower layers (clean
+    transport); with ``masked`` also ``.masked`` = I where h > 0, what the shortcut
+    carries. One pass of sums and one of writes replace autograd's ReLU, scale and
+    norm backward (which would read the same tensors for I alone). With zero gain
+    and predictor U = I exactly, so ``.grad`` equals ``.instruction_grad`` bit for bit.
+    Sums of squares as ``mixed_apical``'s (rule ``none``: ss_used = ss_instruction).
+    Shapes: I, h, o, out (B, Ch, *S); C, P, b (Ch, *S).
     """
-    if rule not in RULES:
-        raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
+    if rule not in LOCAL_RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     h = _population("h", h)
     I = _population("I", I, like=h)  # noqa: E741
     o = h if mean is None else _population("o", o, like=h)
     C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
-    if base is not None:
-        base = _population("base", base, like=h)
     if (mean is None) != (invstd is None) or (mean is None and gamma is not None):
         raise ValueError("mean and invstd come together (the norm's batch statistics), and "
                          "gamma only with them; pass none of the three for a layer without "
@@ -308,8 +312,8 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, base=None, mean=None,  # n
         out = _in_place("out", _population("out", out, like=h))
     form = _form(backend, h.device)
     if form == "torch":
-        res = reference.mixed_local_reference(I, h, o, C, g, P, b, rule, base, mean, invstd,
-                                              gamma, sc)
+        res = reference.mixed_local_reference(I, h, o, C, g, P, b, rule, mean, invstd, gamma,
+                                              sc, instruction, masked)
         if out is not None:
             out.copy_(res.grad)
             res = res._replace(grad=given)
@@ -317,17 +321,17 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, base=None, mean=None,  # n
     B, Ch = h.shape[:2]
     S = h[0, 0].numel()
     pop = [t.contiguous().view(B, Ch, S) for t in (I, h, o)]
-    if out is None:
-        out = torch.empty_like(pop[0])
-    grad = out.view(B, Ch, S)
-    src = torch.zeros_like(grad) if base is None else base.contiguous().view(B, Ch, S)
+    grad = (torch.empty_like(pop[0]) if out is None else out).view(B, Ch, S)
+    extra = [torch.empty_like(pop[0]) if wanted else None for wanted in (instruction, masked)]
     units = [t.contiguous().view(Ch, S) for t in (C, P, b)]
     stats = None if mean is None else [t.contiguous() for t in (mean, invstd, gamma)]
-    code = cpu.RULE_CODES[rule]
+    code = cpu.LOCAL_CODES[rule]
     if form == "cpu":
         dt = h.numpy().dtype.type
+        absent = np.empty((B, Ch, 0), dtype=h.numpy().dtype)
         chan, rows = cpu.mixed_local(
-            *(t.numpy() for t in pop), src.numpy(), grad.numpy(), units[0].numpy(), dt(g),
+            *(t.numpy() for t in pop), grad.numpy(),
+            *(absent if t is None else t.numpy() for t in extra), units[0].numpy(), dt(g),
             units[1].numpy(), units[2].numpy(), code, dt(sc),
             *((None,) * 3 if stats is None else (t.numpy() for t in stats)))
         chan = torch.from_numpy(chan)
@@ -336,36 +340,38 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, base=None, mean=None,  # n
         from . import gpu
 
         f64 = dict(dtype=torch.float64, device=h.device)
-        chan, rows = torch.empty((Ch, 6), **f64), torch.empty((B, 2), **f64)
-        part = torch.empty((B, Ch, 6), **f64)
-        kac = torch.empty((Ch, 3), dtype=h.dtype, device=h.device)
+        chan, rows = torch.empty((Ch, cpu.L_SUMS), **f64), torch.empty((B, 2), **f64)
+        part = torch.empty((B, Ch, cpu.L_SUMS), **f64)
+        kac = torch.empty((Ch, 5), dtype=h.dtype, device=h.device)
         fac = torch.ones(B, dtype=h.dtype, device=h.device)
         gC = units[0] * g  # as the reference rounds C * gain
         d = gC - units[1]
+        dummy = torch.zeros((1, 1, 1), dtype=h.dtype, device=h.device)
         if stats is None:
             stats = [torch.zeros(1, dtype=h.dtype, device=h.device)] * 3
         dt = np.dtype(str(h.dtype).removeprefix("torch.")).type
         with _cuda_launch(h.device) as stream:
             arr = _device_array
-            gpu.mixed_local(*(arr(t) for t in pop), arr(src), arr(grad), arr(gC), arr(d),
-                            arr(units[2]), arr(fac), code, dt(sc), *(arr(t) for t in stats),
-                            mean is not None, arr(chan), arr(rows), arr(part), arr(kac),
-                            stream=stream)
+            gpu.mixed_local(*(arr(t) for t in pop), arr(grad),
+                            *(arr(dummy if t is None else t) for t in extra),
+                            instruction, masked, arr(gC), arr(d), arr(units[2]), arr(fac), code,
+                            dt(sc), *(arr(t) for t in stats), mean is not None, arr(chan),
+                            arr(rows), arr(part), arr(kac), stream=stream)
         if code != cpu.MATCHED:
             rows = None
     tot = chan[:, :4].sum(0)  # channels in order: [instruction, traffic, raw, innovation]
-    if code == cpu.RAW:
-        ss_used = tot[2]
-    elif code == cpu.INNOVATION:
-        ss_used = tot[3]
-    else:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
+    if code == cpu.MATCHED:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
         ss_used = torch.where(rows[:, 0] > 0, rows[:, 1], 0.0).sum()
+    else:
+        ss_used = tot[{cpu.RAW: 2, cpu.INNOVATION: 3, cpu.NONE: 0}[code]]
     dgamma = dbeta = None
     if mean is not None:
-        dgamma, dbeta = chan[:, 5].to(h.dtype), chan[:, 4].to(h.dtype)
-    _mark_written(out)
-    result = given if given is not None else out.view(h.shape)
-    return MixedLocal(result, dgamma, dbeta, ss_used, tot[0], tot[2], tot[3], tot[1])
+        dgamma, dbeta = chan[:, cpu.L_MX].to(h.dtype), chan[:, cpu.L_M].to(h.dtype)
+    _mark_written(grad)
+    result = given if given is not None else grad.view(h.shape)
+    inst, msk = (None if t is None else t.view(h.shape) for t in extra)
+    return MixedLocal(result, inst, msk, dgamma, dbeta, ss_used, tot[0], tot[2], tot[3],
+                      tot[1])
 
 
 def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:
@@ -437,4 +443,4 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
 
 
 __all__ = ["mixed_apical", "mixed_local", "predictor_update", "aux_add", "MixedApical",
-           "MixedLocal", "PredictorStats", "RULES", "BACKENDS"]
+           "MixedLocal", "PredictorStats", "RULES", "LOCAL_RULES", "BACKENDS"]

@@ -250,23 +250,24 @@ def kernels(tpb: int = TPB) -> dict:
 
     @cuda.jit
     def local_sums(I, h, o, gC, d, b, fac, rule, scale, mean, istd, has_norm, part):
-        """``mixed_local`` pass 1: per (example, channel) slab, the six sums.
+        """``mixed_local`` pass 1: per (example, channel) slab, the eight sums.
 
         Grid (Ch, min(B, 65535)), ``tpb`` threads; block (c, y) reduces the slabs (e, c)
-        for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 6) float64:
-        squares of I, T, R, N, then sum m and sum m * xhat, with the correction
-        m = scale * (used - I) where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S).
+        for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 8) float64:
+        squares of I, T, R, N, then sum m, sum m * xhat for the masked used signal
+        m = scale * U where h > 0, and sum q, sum q * xhat for the masked instruction
+        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S).
         Bytes per element: 3 * itemsize.
         """
         tx = cuda.threadIdx.x
         ch = cuda.blockIdx.x
-        sh = cuda.shared.array((6, tpb), float64)
+        sh = cuda.shared.array((8, tpb), float64)
         B, S = I.shape[0], I.shape[2]
         mu = float64(mean[ch]) if has_norm else 0.0
         sd = float64(istd[ch]) if has_norm else 0.0
         for e in range(cuda.blockIdx.y, B, cuda.gridDim.y):
-            acc = cuda.local.array(6, float64)
-            for q in range(6):
+            acc = cuda.local.array(8, float64)
+            for q in range(8):
                 acc[q] = 0.0
             f = fac[e]
             for j in range(tx, S, tpb):
@@ -274,86 +275,99 @@ def kernels(tpb: int = TPB) -> dict:
                 hv = h[e, ch, j]
                 t = gC[ch, j] * hv
                 r = i + t
-                corr = d[ch, j] * hv - b[ch, j]
-                n = i + corr
+                n = i + (d[ch, j] * hv - b[ch, j])
+                u = i  # rule NONE: the clean reference
                 if rule == RAW:
-                    dv = t
+                    u = r
                 elif rule == INNOVATION:
-                    dv = corr
-                else:
-                    dv = f * r - i
-                m = float64(scale * dv) if hv > 0 else 0.0
+                    u = n
+                elif rule == MATCHED:
+                    u = f * r
+                m = float64(scale * u) if hv > 0 else 0.0
+                qv = float64(scale * i) if hv > 0 else 0.0
+                xh = (float64(o[e, ch, j]) - mu) * sd
                 acc[0] += float64(i) * float64(i)
                 acc[1] += float64(t) * float64(t)
                 acc[2] += float64(r) * float64(r)
                 acc[3] += float64(n) * float64(n)
                 acc[4] += m
-                acc[5] += m * ((float64(o[e, ch, j]) - mu) * sd)
-            for q in range(6):
+                acc[5] += m * xh
+                acc[6] += qv
+                acc[7] += qv * xh
+            for q in range(8):
                 sh[q, tx] = acc[q]
             cuda.syncthreads()
             stride = tpb // 2
             while stride > 0:
                 if tx < stride:
-                    for q in range(6):
+                    for q in range(8):
                         sh[q, tx] += sh[q, tx + stride]
                 cuda.syncthreads()
                 stride //= 2
             if tx == 0:
-                for q in range(6):
+                for q in range(8):
                     part[e, ch, q] = sh[q, 0]
             cuda.syncthreads()
 
     @cuda.jit
     def local_combine(part, gamma, istd, has_norm, count, chan, kac):
         """Per channel (one thread each): the examples' sums in example order, then the
-        norm's k = gamma * invstd, mean(m), mean(m xhat) in the input dtype (kac (Ch, 3);
-        count = B * S elements per channel). One block of ``tpb`` threads, channels
-        c = tx, tx + tpb, ..."""
+        norm's k = gamma * invstd and the means of m, m xhat, q, q xhat in the input
+        dtype (kac (Ch, 5); count = B * S elements per channel). One block of ``tpb``
+        threads, channels c = tx, tx + tpb, ..."""
         B, Ch = part.shape[0], part.shape[1]
         for ch in range(cuda.threadIdx.x, Ch, tpb):
-            for q in range(6):
+            for q in range(8):
                 acc = 0.0
                 for e in range(B):
                     acc += part[e, ch, q]
                 chan[ch, q] = acc
             if has_norm:
                 kac[ch, 0] = gamma[ch] * istd[ch]
-                kac[ch, 1] = chan[ch, 4] / count
-                kac[ch, 2] = chan[ch, 5] / count
+                for q in range(1, 5):
+                    kac[ch, q] = chan[ch, 3 + q] / count
             else:
                 kac[ch, 0] = 1.0
-                kac[ch, 1] = 0.0
-                kac[ch, 2] = 0.0
+                for q in range(1, 5):
+                    kac[ch, q] = 0.0
 
     @cuda.jit
-    def local_write(I, h, o, base, out, gC, d, b, fac, rule, scale, mean, istd, kac,
-                    has_norm):
-        """``mixed_local`` pass 2: out = base + k * (m - mean(m) - xhat * mean(m xhat)).
+    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
+                    scale, mean, istd, kac, has_norm):
+        """``mixed_local`` pass 2: out = k * (m - mean(m) - xhat * mean(m xhat)); with
+        ``want_inst`` inst the same for q, with ``want_masked`` masked = I where h > 0.
 
-        Grid-stride over the B * Ch * S elements (any grid). Reads I (matched only),
-        h, o, base (B, Ch, S); writes out (may alias base). Bytes per element:
-        4 * itemsize (5 for matched).
+        Grid-stride over the B * Ch * S elements (any grid). Reads I, h, o (B, Ch, S);
+        writes out, and inst and masked when wanted (not in place). Bytes per element:
+        (4 + wanted outputs) * itemsize.
         """
         B, Ch, S = I.shape
         for k in range(cuda.grid(1), B * Ch * S, cuda.gridsize(1)):
             e = k // (Ch * S)
             ch = (k // S) % Ch
             j = k % S
+            i = I[e, ch, j]
             hv = h[e, ch, j]
+            t = gC[ch, j] * hv
+            r = i + t
+            n = i + (d[ch, j] * hv - b[ch, j])
+            u = i  # rule NONE: the clean reference
             if rule == RAW:
-                dv = gC[ch, j] * hv
+                u = r
             elif rule == INNOVATION:
-                dv = d[ch, j] * hv - b[ch, j]
-            else:
-                i = I[e, ch, j]
-                dv = fac[e] * (i + gC[ch, j] * hv) - i
-            m = scale * dv if hv > 0 else scale - scale
-            if has_norm:
-                xh = (o[e, ch, j] - mean[ch]) * istd[ch]
-                out[e, ch, j] = base[e, ch, j] + kac[ch, 0] * (m - kac[ch, 1] - xh * kac[ch, 2])
-            else:
-                out[e, ch, j] = base[e, ch, j] + m
+                u = n
+            elif rule == MATCHED:
+                u = fac[e] * r
+            on = hv > 0
+            zero = scale - scale
+            m = scale * u if on else zero
+            xh = (o[e, ch, j] - mean[ch]) * istd[ch] if has_norm else zero
+            out[e, ch, j] = kac[ch, 0] * (m - kac[ch, 1] - xh * kac[ch, 2])
+            if want_inst:
+                qv = scale * i if on else zero
+                inst[e, ch, j] = kac[ch, 0] * (qv - kac[ch, 3] - xh * kac[ch, 4])
+            if want_masked:
+                masked[e, ch, j] = i if on else zero
 
     return dict(mixed_rows=mixed_rows, mixed_finish=mixed_finish, matched_scale=matched_scale,
                 predictor=predictor, sum_part=sum_part, add=add, local_rows=local_rows,
@@ -376,13 +390,14 @@ def mixed_apical(I, h, gC, P, b, rule, out, part, rows, scales, tot, stream=0, t
         k["matched_scale"][grid, tpb, stream](I, h, gC, scales, out)
 
 
-def mixed_local(I, h, o, base, out, gC, d, b, fac, rule, scale, mean, istd, gamma, has_norm,
-                chan, rows, part, kac, stream=0, tpb=TPB):
+def mixed_local(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
+                scale, mean, istd, gamma, has_norm, chan, rows, part, kac, stream=0, tpb=TPB):
     """Launches ``mixed_local``: matched's row pass, the slab sums, the per-channel combine,
-    the write. Populations (B, Ch, S); gC (the gain times C, rounded as the reference
-    does), d = gC - P, b (Ch, S); fac (B,) ones unless matched (filled here); mean,
-    istd, gamma (Ch,) (any length-1 arrays without a norm); workspaces: rows (B, 2),
-    part (B, Ch, 6), chan (Ch, 6) float64, kac (Ch, 3) in the input dtype."""
+    the writes. Populations (B, Ch, S); inst, masked (B, Ch, S), or any (1, 1, 1) array
+    when not wanted; gC (the gain times C, rounded as the reference does), d = gC - P,
+    b (Ch, S); fac (B,) ones unless matched (filled here); mean, istd, gamma (Ch,) (any
+    length-1 arrays without a norm); workspaces: rows (B, 2), part (B, Ch, 8), chan
+    (Ch, 8) float64, kac (Ch, 5) in the input dtype."""
     k = kernels(tpb)
     B, Ch, S = I.shape
     if rule == MATCHED:
@@ -393,8 +408,9 @@ def mixed_local(I, h, o, base, out, gC, d, b, fac, rule, scale, mean, istd, gamm
                                                            mean, istd, has_norm, part)
     k["local_combine"][1, tpb, stream](part, gamma, istd, has_norm, float(B * S), chan, kac)
     blocks = max(1, min(4096, -(-(B * Ch * S) // tpb)))
-    k["local_write"][blocks, tpb, stream](I, h, o, base, out, gC, d, b, fac, rule, scale, mean,
-                                          istd, kac, has_norm)
+    k["local_write"][blocks, tpb, stream](I, h, o, out, inst, masked, want_inst, want_masked,
+                                          gC, d, b, fac, rule, scale, mean, istd, kac,
+                                          has_norm)
 
 
 def predictor_workspace_shapes(N: int, tpb: int = TPB) -> dict:
@@ -433,6 +449,6 @@ def ptx_signatures(dtype: str) -> dict:
         local_sums=(cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit, unit,
                     types.boolean, f64[:, :, ::1]),
         local_combine=(f64[:, :, ::1], unit, unit, types.boolean, f64, f64[:, ::1], pop),
-        local_write=(cube, cube, cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit,
-                     unit, pop, types.boolean),
+        local_write=(cube, cube, cube, cube, cube, cube, types.boolean, types.boolean, pop, pop,
+                     pop, unit, types.int64, f, unit, unit, pop, types.boolean),
     )

@@ -59,33 +59,43 @@ def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.add_(src)
 
 
-def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, base=None,  # noqa: E741
-                          mean=None, invstd=None, gamma=None, scale: float = 1.0) -> MixedLocal:
-    """The used signal's correction through the producing layer's local derivative.
+def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa: E741
+                          invstd=None, gamma=None, scale: float = 1.0, instruction: bool = False,
+                          masked: bool = False) -> MixedLocal:
+    """One population's backward step to the output o of the layer that made it.
 
-    D = used - I (raw: the traffic g*C*h; innovation: (g*C - P)*h - b; matched:
-    M - I), masked and scaled as the ReLU and residual scale pass it, m =
-    scale * D * (h > 0), then through the batch norm's backward with the batch
-    statistics (per channel, dim 1, over the batch and the spatial dims):
-    grad = base + gamma*invstd * (m - mean(m) - xhat*mean(m*xhat)), xhat =
-    (o - mean)*invstd; without a norm grad = base + m. Norm sums in float64.
+    h = relu(scale * norm(o) + shortcut) (no norm: relu(scale * o + shortcut)).
+    For a signal X at h, L(X) = norm backward of m = scale * X * (h > 0), with the
+    batch statistics (per channel, dim 1, over the batch and the spatial dims):
+    gamma*invstd * (m - mean(m) - xhat*mean(m*xhat)), xhat = (o - mean)*invstd;
+    without a norm L(X) = m. ``.grad`` = L(used), ``.instruction_grad`` = L(I),
+    ``.masked`` = I * (h > 0) (what the shortcut receives); ``.dgamma``, ``.dbeta``
+    the used signal's norm parameter gradients. Rule ``none``: used = I. Norm sums
+    in float64.
     """
-    mixed = mixed_apical_reference(I, h, C, gain, P, b, rule)
-    D = mixed.used - I if rule == "matched" else (
-        (C * gain) * h if rule == "raw" else ((C * gain - P) * h - b))
-    m = torch.where(h > 0, scale * D, torch.zeros((), dtype=D.dtype))
-    sums = (mixed.ss_used, mixed.ss_instruction, mixed.ss_raw, mixed.ss_innovation,
-            mixed.ss_traffic)
-    if mean is None:
-        grad = m if base is None else base + m
-        return MixedLocal(grad, None, None, *sums)
+    mixed = mixed_apical_reference(I, h, C, gain, P, b,
+                                   "innovation" if rule == "none" else rule)
+    used = I if rule == "none" else mixed.used
+    sums = (mixed.ss_instruction if rule == "none" else mixed.ss_used, mixed.ss_instruction,
+            mixed.ss_raw, mixed.ss_innovation, mixed.ss_traffic)
+    on = h > 0
+    zero = torch.zeros((), dtype=I.dtype)
     shape = (1, -1) + (1,) * (I.dim() - 2)
     dims = tuple(d for d in range(I.dim()) if d != 1)
     count = I.numel() // I.shape[1]
-    xhat = (o.double() - mean.double().view(shape)) * invstd.double().view(shape)
-    s_m = m.double().sum(dims)  # (channels,)
-    s_mx = (m.double() * xhat).sum(dims)
-    k = invstd.double() * (1.0 if gamma is None else gamma.double())
-    v = k.view(shape) * (m.double() - (s_m / count).view(shape) - xhat * (s_mx / count).view(shape))
-    grad = v.to(I.dtype) if base is None else base + v.to(I.dtype)
-    return MixedLocal(grad, s_mx.to(I.dtype), s_m.to(I.dtype), *sums)
+
+    def local(signal):
+        m = torch.where(on, scale * signal, zero)
+        if mean is None:
+            return m, None, None
+        xhat = (o.double() - mean.double().view(shape)) * invstd.double().view(shape)
+        s_m = m.double().sum(dims)  # (channels,)
+        s_mx = (m.double() * xhat).sum(dims)
+        k = invstd.double() * (1.0 if gamma is None else gamma.double())
+        v = k.view(shape) * (m.double() - (s_m / count).view(shape)
+                             - xhat * (s_mx / count).view(shape))
+        return v.to(I.dtype), s_mx.to(I.dtype), s_m.to(I.dtype)
+
+    grad, dgamma, dbeta = local(used)
+    return MixedLocal(grad, local(I)[0] if instruction else None,
+                      torch.where(on, I, zero) if masked else None, dgamma, dbeta, *sums)

@@ -31,11 +31,13 @@ class PredictorStats(NamedTuple):
 
 
 class MixedLocal(NamedTuple):
-    """The used signal of one population carried to its producing layer's output."""
+    """One population's backward step to the output of the layer that made it."""
 
-    grad: torch.Tensor  # (B, *U) base + the correction (used - instruction) at the output
-    dgamma: torch.Tensor | None  # (channels,) the correction's share of the norm's weight grad
-    dbeta: torch.Tensor | None  # (channels,) ... and of its bias grad
+    grad: torch.Tensor  # (B, *U) the used signal's gradient at the layer's output
+    instruction_grad: torch.Tensor | None  # (B, *U) the instruction's, when asked for
+    masked: torch.Tensor | None  # (B, *U) I where h > 0 (the shortcut's), when asked for
+    dgamma: torch.Tensor | None  # (channels,) the used signal's norm weight gradient
+    dbeta: torch.Tensor | None  # (channels,) ... and norm bias gradient
     ss_used: torch.Tensor
     ss_instruction: torch.Tensor
     ss_raw: torch.Tensor

@@ -73,7 +73,7 @@ def check_local(shape, dtype, rule, norm, seed=6):
     t = data(shape, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     like = t["I"]
-    o, base = (torch.randn(shape, generator=g, dtype=torch.float64).to(like) for _ in range(2))
+    o = torch.randn(shape, generator=g, dtype=torch.float64).to(like)
     Ch = shape[1]
     stats = {}
     if norm:
@@ -81,14 +81,19 @@ def check_local(shape, dtype, rule, norm, seed=6):
                      invstd=torch.rand(Ch, generator=g, dtype=torch.float64).add(0.5).to(like),
                      gamma=torch.randn(Ch, generator=g, dtype=torch.float64).to(like))
     args = (t["I"], t["h"], o, t["C"], 0.7, t["P"], t["b"], rule)
-    got = nk.mixed_local(*args, base=base, scale=0.5, **stats)
-    want = nk.mixed_local(*args, base=base, scale=0.5, backend="torch", **stats)
+    kw = dict(scale=0.5, instruction=True, masked=True, **stats)
+    got = nk.mixed_local(*args, **kw)
+    want = nk.mixed_local(*args, backend="torch", **kw)
     name = f"local {rule} {shape} {dtype.__name__} norm={norm}"
-    close(name + " grad", got.grad, want.grad, TOL[dtype])
+    for field in ("grad", "instruction_grad", "masked"):
+        close(f"{name} {field}", getattr(got, field), getattr(want, field), TOL[dtype])
+    lean = nk.mixed_local(*args, scale=0.5, **stats)  # the optional outputs not written
+    assert lean.instruction_grad is None and lean.masked is None
+    close(name + " grad alone", lean.grad, want.grad, TOL[dtype])
     if norm:
         close(name + " dgamma", got.dgamma, want.dgamma, TOL[dtype] * 10)
         close(name + " dbeta", got.dbeta, want.dbeta, TOL[dtype] * 10)
-    close(name + " sums", [float(x) for x in got[3:]], [float(x) for x in want[3:]], TOL[dtype])
+    close(name + " sums", [float(x) for x in got[5:]], [float(x) for x in want[5:]], TOL[dtype])
     print("ok", name)
 
 
@@ -141,9 +146,9 @@ def main():
     gpu.mixed_local = functools.partial(gpu.mixed_local, tpb=TPB)
     for dtype in (np.float32, np.float64):
         for shape in ((3, 2, 5, 7), (1, 3, 11), (5, 9)):
-            for rule in ("raw", "matched", "innovation"):
+            for rule in ("none", "raw", "matched", "innovation"):
                 for norm in (True, False):
-                    if shape == (3, 2, 5, 7) or (norm and rule != "raw"):
+                    if shape == (3, 2, 5, 7) or (norm and rule not in ("none", "raw")):
                         check_local(shape, dtype, rule, norm)
 
 

@@ -141,17 +141,19 @@ def test_gpu_mixed_local_matches_reference_and_repeats(shape, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     p = _population(shape, dtype)
     g = torch.Generator().manual_seed(9)
-    o, base = (torch.randn(shape, generator=g, dtype=dtype).cuda() for _ in range(2))
+    o = torch.randn(shape, generator=g, dtype=dtype).cuda()
     ch = shape[1]
     stats = dict(mean=torch.randn(ch, dtype=dtype).cuda(),
                  invstd=torch.rand(ch, dtype=dtype).add(0.5).cuda(),
                  gamma=torch.randn(ch, dtype=dtype).cuda())
     args = (p["I"], p["h"], o, p["C"], p["gain"], p["P"], p["b"])
-    for rule in nk.RULES:
-        got = nk.mixed_local(*args, rule, base=base, scale=0.5, **stats)
-        want = nk.mixed_local(*args, rule, base=base, scale=0.5, backend="torch", **stats)
+    kw = dict(scale=0.5, instruction=True, masked=True, **stats)
+    for rule in nk.LOCAL_RULES:
+        got = nk.mixed_local(*args, rule, **kw)
+        want = nk.mixed_local(*args, rule, backend="torch", **kw)
         assert got.grad.is_cuda
-        assert float((got.grad - want.grad).abs().max() / want.grad.abs().max()) < tol, rule
-        assert float((got.dgamma - want.dgamma).abs().max() / want.dgamma.abs().max()) < tol
-        again = nk.mixed_local(*args, rule, base=base, scale=0.5, **stats)
+        for field in ("grad", "instruction_grad", "masked", "dgamma"):
+            a, w = getattr(got, field), getattr(want, field)
+            assert float((a - w).abs().max() / w.abs().max()) < tol, (rule, field)
+        again = nk.mixed_local(*args, rule, **kw)
         assert torch.equal(again.grad, got.grad) and torch.equal(again.dbeta, got.dbeta)

@@ -40,6 +40,12 @@ def _grads(model, rule, x, y, record=False):
     return grads, feedback, out
 
 
+def _same(a, b, name=""):
+    """Equal to float64 rounding: the norm's backward is the fused kernel's, not ATen's,
+    so sums over the batch run in another order (a wrong scale or term is far above)."""
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14 * float(b.abs().max()), msg=name)
+
+
 def _calibrated(dims, traffic_rule, residual_scale=1.0, **extra):
     model, rule = _setup("kp_traffic", {"traffic_rule": traffic_rule,
                                         "traffic_calibration_examples": 20,
@@ -53,7 +59,7 @@ def _calibrated(dims, traffic_rule, residual_scale=1.0, **extra):
 @pytest.mark.parametrize("dims", [1, 2])
 @pytest.mark.parametrize("normalization", ["batchnorm", "none"])
 @pytest.mark.parametrize("traffic_rule", TRAFFIC_RULES)
-def test_zero_gain_and_zero_predictor_give_clean_kp_exactly(dims, normalization, traffic_rule):
+def test_zero_gain_and_zero_predictor_give_clean_kp(dims, normalization, traffic_rule):
     x, y = _batch(dims)
     model, kp = _setup("kp", dims=dims, normalization=normalization)
     clean, clean_b, _ = _grads(model, kp, x, y)
@@ -63,8 +69,9 @@ def test_zero_gain_and_zero_predictor_give_clean_kp_exactly(dims, normalization,
     mixed, mixed_b, _ = _grads(model, rule, x, y)
     assert clean.keys() == mixed.keys()
     for name in clean:
-        assert torch.equal(clean[name], mixed[name]), name
-    assert all(torch.equal(a, b) for a, b in zip(clean_b, mixed_b))
+        _same(mixed[name], clean[name], name)
+    for a, b in zip(mixed_b, clean_b):
+        _same(a, b)
 
 
 @pytest.mark.parametrize("dims", [1, 2])
@@ -76,8 +83,9 @@ def test_the_none_reference_is_clean_kp_with_the_traffic_calibrated(dims):
     assert min(rule.gains) > 0
     mixed, mixed_b, _ = _grads(model, rule, x, y)
     for name in clean:
-        assert torch.equal(clean[name], mixed[name]), name
-    assert all(torch.equal(a, b) for a, b in zip(clean_b, mixed_b))
+        _same(mixed[name], clean[name], name)
+    for a, b in zip(mixed_b, clean_b):
+        _same(a, b)
 
 
 @pytest.mark.parametrize("dims", [1, 2])
@@ -434,3 +442,18 @@ def test_state_round_trip_copies_every_rule_tensor():
     with torch.no_grad():
         rule.P[0].add_(1.0)  # the saved state is a copy, not a view of the live tensors
     assert not torch.equal(state["P"][0], rule.P[0])
+
+
+def test_a_step_frees_its_record_when_it_ends():
+    """Nothing keeps a finished step's record (and so every tensor it holds) alive: a
+    cycle through the autograd graph (record -> output -> node -> record) passes through
+    C++ objects the garbage collector cannot see, so it would never be freed."""
+    import gc
+
+    from lab.rules.traffic import _Step
+
+    model, rule, x, y = _calibrated(2, "innovation")
+    for _ in range(3):
+        rule.compute_gradients(x, y, 0)
+    gc.collect()
+    assert sum(type(o) is _Step for o in gc.get_objects()) == 0

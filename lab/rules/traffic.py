@@ -19,20 +19,22 @@ instruction I (d sum-loss / dh through the feedback tensors B):
   the feedback update, so W and B still receive equal updates. ``none`` is
   the clean reference of the MT-1 study: the traffic is formed, calibrated,
   predicted and logged exactly as for the others, but plasticity takes the
-  instruction, so the run is clean KP (tested: the same updates bit for bit).
+  instruction, so the run is clean KP (tested: the same updates to rounding).
 
 Transport is clean: the backward pass carries I, unchanged, to the lower
 populations; U enters only the local plasticity. It costs no extra
-multiply-accumulates: the conv layers' weights are switched out of autograd
-for the step, so autograd's reverse pass computes only the input-gradient
-products (through B), and each layer's weight-gradient product is computed
-once, from U, in a hook on the layer's output o. Between them lies only
-element-wise work, one fused kernel per population (``numba_kernels.
-mixed_local``): autograd hands the hook the instruction's gradient at o, and
-the kernel adds the correction U - I carried through the ReLU mask, residual
-scale and batch-norm backward (linear in the signal), forming the signals'
-sums of squares on the way. A zero correction leaves autograd's gradient bit
-for bit, so zero traffic gives clean KP exactly.
+multiply-accumulates and no extra memory passes. At each population the rule
+takes over the backward step from h to the output o of the layer that made it
+(a ``torch.autograd.Function`` standing in for h on the tap): one fused kernel
+(``numba_kernels.mixed_local``) reads I, h and o twice, as autograd's ReLU,
+residual-scale and batch-norm backward would for I alone, and writes the
+instruction's gradient at o (passed on to the layer's input-gradient product
+through B, and to the shortcut as the ReLU's masked I) together with the used
+signal's (the layer's weight-gradient product, computed once from it with the
+conv weights out of autograd for the step, and the norm's parameter
+gradients), forming the signals' sums of squares on the way. With no traffic
+U = I exactly and the updates are clean KP's to rounding (the norm's backward
+is the kernel's, not ATen's).
 
 The predictor learns only from instruction-off observations of its own unit,
 i.e. (h, T) pairs, by normalised LMS (``numba_kernels.predictor_update``):
@@ -133,10 +135,31 @@ class _Step:
         self.outputs: dict[int, torch.Tensor] = {}  # population -> its conv's output o
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(norm) -> mean, invstd
         self.h: dict[int, torch.Tensor] = {}  # population index -> h (detached)
-        self.instruction: dict[int, torch.Tensor] = {}  # population -> d mean-loss / dh
-        self.hooked: set[int] = set()  # populations whose conv output has a backward hook
-        self.norm_grads: dict[int, tuple] = {}  # population -> the correction's norm grads
+        self.tapped: dict[int, torch.Tensor] = {}  # population -> what the tap handed on
         self.batch, self.logged = 0, False
+
+
+class _PopulationStep(torch.autograd.Function):
+    """Identity on h forward; backward, the population's local step (module docstring).
+
+    Inputs: h (detached), the layer's output o (with its graph), the norm's gamma
+    and beta, the block's shortcut tensor (outer populations), an empty anchor
+    that requires grad (so the stem's step runs even with nothing else to
+    differentiate), and the rule with what it needs. Autograd's own graph from o
+    to h (norm, scale, add, ReLU) is left unused, so it is not run.
+    """
+
+    @staticmethod
+    def forward(ctx, h, o, gamma, beta, shortcut, anchor, step):
+        ctx.step = step
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        rule, index, rec, teaching = ctx.step
+        ctx.step = None  # rec -> tapped output -> this node -> rec: break the cycle
+        return (None, *rule._local_step(index, g.detach(), rec, teaching, ctx.needs_input_grad),
+                None, None)
 
 
 @register
@@ -169,6 +192,7 @@ class KolenPollackTraffic(KolenPollack):
         self.predictor_updates = 0
         self.predictor_examples = 0  # examples the predictor updates saw (the bill)
         self.last_h: dict[int, torch.Tensor] = {}
+        self._anchor = torch.empty(0, requires_grad=True)
         self._reset_sums()
 
     # -- shapes, taps, hooks --------------------------------------------------
@@ -190,31 +214,25 @@ class KolenPollackTraffic(KolenPollack):
                 self.b[i] = torch.zeros(shape, dtype=h.dtype, device=h.device)
 
     @contextlib.contextmanager
-    def _recording(self, step: _Step, local: bool):
-        """Forward hooks that save what the hooks at the populations need.
+    def _recording(self, step: _Step):
+        """Forward hooks saving what the local steps need; conv weights out of autograd.
 
-        With ``local`` the conv weights and biases leave autograd for the pass,
-        so the reverse pass computes their input gradients only (through B);
-        each conv's weight gradient is computed once, from the used signal, by
-        a hook on its output, which receives autograd's gradient there for the
-        instruction. The norms' parameters stay in autograd: their gradients
-        for the instruction come out of the norm's backward at no extra pass,
-        and the used signal's correction is added after the backward.
+        The conv weights and biases leave autograd for the pass, so the reverse
+        pass computes their input gradients only (through B); each conv's weight
+        gradient is computed once, from the used signal, in its population's
+        local step. The norms' parameters receive the used signal's gradients
+        from the local steps.
         """
         handles, frozen = [], []
         for index, p in enumerate(self.producers):
             def save(module, inputs, output, index=index):
                 step.inputs[index] = inputs[0].detach()
-                step.outputs[index] = output.detach()
-                if local and output.requires_grad:
-                    step.hooked.add(index)
-                    output.register_hook(lambda g, i=index: self._at_output(i, g, step))
+                step.outputs[index] = output
             handles.append(p.conv.register_forward_hook(save))
             if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
                 handles.append(p.norm.register_forward_hook(_save_stats(step)))
-            if local:
-                frozen += [t for t in (p.conv.weight, p.conv.bias)
-                           if t is not None and t.requires_grad]
+            frozen += [t for t in (p.conv.weight, p.conv.bias)
+                       if t is not None and t.requires_grad]
         for t in frozen:
             t.requires_grad_(False)
         try:
@@ -224,27 +242,6 @@ class KolenPollackTraffic(KolenPollack):
                 t.requires_grad_(True)
             for handle in handles:
                 handle.remove()
-
-    def _local(self, index: int, step: _Step, signal: torch.Tensor) -> torch.Tensor:
-        """The gradient at the producing layer's output o for ``signal`` (d mean-loss / dh).
-
-        The element-wise path from o to the population is ReLU(scale x norm(o)
-        + shortcut): the ReLU mask (h > 0), the residual scale, and the norm's
-        backward with the batch statistics its forward pass saved, i.e. the
-        very operations autograd runs. Needed where autograd has no graph at
-        o: the stem, whose input and (frozen) weights need no gradient.
-        """
-        p = self.producers[index]
-        # ReLU's backward as autograd runs it: one fused pass, no mask tensor.
-        masked = torch.ops.aten.threshold_backward(signal, step.h[index], 0.0)
-        if p.block is not None:
-            masked = masked * p.scale  # as autograd does for scale * norm(o), 1.0 included
-        if not isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
-            return masked
-        mean, invstd = step.stats[id(p.norm)]
-        return torch.ops.aten.native_batch_norm_backward(
-            masked, step.outputs[index], p.norm.weight, None, None, mean, invstd, True,
-            p.norm.eps, [True, False, False])[0]
 
     # -- the step ---------------------------------------------------------------
 
@@ -257,26 +254,29 @@ class KolenPollackTraffic(KolenPollack):
     def compute_gradients(self, x, y, step, record=False):
         self.refresh()
         rec = _Step()
-        teaching: dict[int, torch.Tensor] = {}
+        teaching: dict[int, torch.Tensor] | None = {} if record else None
         batch = len(y)
         rec.batch, rec.logged = batch, step is not None
 
         def tap(index, h):
             rec.h[index] = h.detach()
-            if not h.requires_grad:  # the stem without a norm: nothing below needs it
-                h = h.detach().requires_grad_(True)
-            h.register_hook(lambda g, i=index: self._at_population(
-                i, g, rec, teaching if record else None))
-            return h
+            p = self.producers[index]
+            norm = p.norm if isinstance(p.norm, nn.modules.batchnorm._BatchNorm) else None
+            # Outer populations: the block's shortcut of its input (the tap two back).
+            shortcut = None if p.block is None else p.block.shortcut(rec.tapped[index - 2])
+            out = _PopulationStep.apply(
+                h.detach(), rec.outputs[index], None if norm is None else norm.weight,
+                None if norm is None else norm.bias, shortcut, self._anchor,
+                (self, index, rec, teaching))
+            rec.tapped[index] = out
+            return out
 
-        with self._recording(rec, local=True):
+        with self._recording(rec):
             logits = self.model(x, tap=tap)  # (B, n_classes)
             self._ensure_shapes(rec)
             loss = F.cross_entropy(logits, y)
             loss.backward()
-        for index, grads in rec.norm_grads.items():  # the correction's share, after autograd's
-            for param, grad in zip(self.producers[index].norm.parameters(), grads):
-                param.grad += grad
+        rec.tapped.clear()  # the step's graph goes now, not at the next garbage collection
         for (_, module), b in zip(self.layers, self.feedback):
             b.grad = module.weight.grad.clone()  # KP: B gets W's (mixed-signal) update
         if step is not None:
@@ -288,54 +288,40 @@ class KolenPollackTraffic(KolenPollack):
         out = [teaching[i] for i in sorted(teaching)] if record else None
         return StepResult(loss.detach(), logits.detach(), out)
 
-    def _at_population(self, index, g, rec: _Step, teaching):
-        """Backward hook at population ``index``: g = d mean-loss / dh, carried down unchanged."""
-        g = g.detach()
-        if teaching is not None:
-            teaching[index] = g * rec.batch  # (B, *U) the instruction, d sum-loss / dh
-        rec.instruction[index] = g
-        if index not in rec.hooked:  # no graph at the layer's output (the stem)
-            self._at_output(index, self._local(index, rec, g), rec)
-        return None  # transport stays clean
+    def _local_step(self, index, g, rec: _Step, teaching, needs):
+        """Population ``index``'s backward step: g = I / B = d mean-loss / dh.
 
-    def _at_output(self, index, base, rec: _Step):
-        """Hook at the output o of the layer that made population ``index``.
-
-        base = the instruction's gradient at o (autograd's). The layer's weight
-        gradient takes the used signal's: base plus the correction (used - I)
-        carried through the ReLU mask, residual scale and norm backward by one
-        fused kernel, which also forms the signals' sums of squares.
+        One fused kernel gives the used signal's gradient at the layer's output o
+        (its weight-gradient product and the norm's parameter gradients take it)
+        and the instruction's (handed back to autograd for o, so transport stays
+        clean), plus the ReLU's masked I for the shortcut. ``needs`` are autograd's
+        flags for (h, o, gamma, beta, shortcut, ...).
         """
-        p, h, g, batch = self.producers[index], rec.h[index], rec.instruction[index], rec.batch
-        # The kernels work in the gradient's own (batch-mean) units: traffic and predictor
-        # scaled by 1 / B. With no traffic the correction is zero and the layer learns
-        # from base itself, bit for bit as under clean KP.
+        p, h, batch = self.producers[index], rec.h[index], rec.batch
+        if teaching is not None:
+            teaching[index] = g * batch  # (B, *U) the instruction, d sum-loss / dh
+        # The kernel works in the gradient's own (batch-mean) units: traffic and
+        # predictor scaled by 1 / B.
         gain, P, b = self.gains[index] / batch, self.P[index] / batch, self.b[index] / batch
-        if self.params.traffic_rule == "none":
-            mixed = numba_kernels.mixed_apical(g, h, self.coefficients[index], gain, P, b,
-                                               "innovation")
-            mixed = mixed._replace(ss_used=mixed.ss_instruction)
-            signal = base
-        else:
-            stats = {}
-            if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
-                mean, invstd = rec.stats[id(p.norm)]
-                stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight)
-            mixed = numba_kernels.mixed_local(
-                g, h, rec.outputs[index], self.coefficients[index], gain, P, b,
-                self.params.traffic_rule, base=base, scale=p.scale, **stats)
-            signal = mixed.grad
-            if stats:
-                rec.norm_grads[index] = (mixed.dgamma, mixed.dbeta)
+        rule = self.params.traffic_rule
+        stats = {}
+        if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
+            mean, invstd = rec.stats[id(p.norm)]
+            stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight)
+        res = numba_kernels.mixed_local(
+            g, h, rec.outputs[index], self.coefficients[index], gain, P, b, rule,
+            scale=p.scale, instruction=needs[1] and rule != "none", masked=needs[4], **stats)
         if rec.logged:
             for name in SIGNALS:  # back to d sum-loss / dh units
-                self.sums[name][index] += float(getattr(mixed, f"ss_{name}")) * batch ** 2
+                self.sums[name][index] += float(getattr(res, f"ss_{name}")) * batch ** 2
             self.numels[index] += h.numel()
-        grad_w, grad_b = _conv_weight_grad(p.conv, signal, rec.inputs[index])
+        grad_w, grad_b = _conv_weight_grad(p.conv, res.grad, rec.inputs[index])
         p.conv.weight.grad = grad_w
         if p.conv.bias is not None:
             p.conv.bias.grad = grad_b
-        return None
+        clean = res.grad if rule == "none" else res.instruction_grad
+        return (clean if needs[1] else None, res.dgamma if needs[2] else None,
+                res.dbeta if needs[3] else None, res.masked)
 
     def predict(self, hs: dict[int, torch.Tensor]) -> None:
         """One predictor step on instruction-off observations (h, T = g C h) of each unit."""
@@ -507,8 +493,9 @@ class KolenPollackTraffic(KolenPollack):
         if self.params.traffic_rule == "none":  # signals and sums of squares only
             apical = {"mixed_apical": 12 * units * examples}
         else:
-            # Pass 1: traffic, raw, correction, innovation, mask, xhat and six sums;
-            # pass 2: the correction, mask, xhat and base + k (m - a - xhat c).
+            # Beyond the clean step (mask, xhat, the norm's sums and write, as autograd
+            # would do for I): traffic, raw, innovation, the used signal, its masked
+            # sums and write, and four sums of squares, over both passes.
             apical = {"mixed_local": 30 * units * examples}
         updates = self.predictor_examples * 8 * units  # warm-up and training batches
         return {**super().elementwise(examples), **apical, "predictor": updates}

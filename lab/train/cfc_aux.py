@@ -59,7 +59,7 @@ from ..data.prices import (
     synthetic_prices,
     vega_prices,
 )
-from ..device import resolve_device, seeded, set_threads, sync
+from ..device import configure_process, resolve_device, seeded, sync
 from ..lifecycle import Divergence, Expectation, Lifecycle
 from ..models.cfc import ACTIVATIONS, MODES, CfC
 
@@ -279,7 +279,7 @@ class Run:
 def build_run(config: CfCAuxConfig) -> Run:
     """Data, encoder, trunks, heads and both optimizers, all fixed by ``config.seed``."""
     device = resolve_device(config.device)
-    set_threads(config.threads)
+    configure_process(config.threads)
     prices, name = load_prices(config)
     data = MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
                               horizons=config.horizons, main_horizon=config.main_horizon,

@@ -28,7 +28,7 @@ from ..config import ConfigError, bounded, choice, validate
 from ..data import DATASETS, load_dataset
 from ..data.augment import augment
 from ..data.batches import iterate_batches
-from ..device import resolve_device, seeded, set_threads, sync
+from ..device import configure_process, resolve_device, seeded, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
 from ..lifecycle import Divergence, Expectation, Lifecycle
@@ -162,7 +162,7 @@ class Run:
 def build_run(config: ConvConfig) -> Run:
     """Data, model, rule, optimizer and schedule, all fixed by ``config.seed``."""
     device = resolve_device(config.device)
-    set_threads(config.threads)
+    configure_process(config.threads)
     data = load_dataset(config.dataset, data_dir=config.data_dir or None,
                         val_fraction=config.val_fraction, split_seed=config.seed,
                         n_train=config.n_train)

@@ -69,7 +69,7 @@ import torch.nn as nn
 
 from ..config import ConfigError, bounded, choice, validate
 from ..data.text import TextError, bits_per_char, eval_windows, load_corpus, sample_batch
-from ..device import resolve_device, seeded, set_threads, sync
+from ..device import configure_process, resolve_device, seeded, sync
 from ..models.transformer import Transformer, language_model_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -359,7 +359,7 @@ class EPRun:
 def build_ep(config: EPConfig) -> EPRun:
     """Data, model, twin, optimizers, schedules, governor, all fixed by ``config.seed``."""
     device = resolve_device(config.device)
-    set_threads(config.threads)
+    configure_process(config.threads)
     corpus = load_corpus(config.text_path, seq_len=config.seq_len, val_fraction=VAL_FRACTION)
     with seeded(config.seed):
         model = Transformer(corpus.vocab_size, config.seq_len, config.d_model, config.n_layers,

@@ -1,0 +1,58 @@
+"""lab.device: the allocator policy every run sets (and the thread counts beside it)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# A step's pattern: many few-megabyte tensors made, then all freed, again and again.
+# Prints the minor page faults of the last four rounds.
+_ROUNDS = """
+import resource, sys, torch
+from lab.device import keep_freed_memory
+if sys.argv[1] == "policy":
+    assert keep_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for r in range(5):
+    if r == 1:
+        start = faults()
+    live = [torch.ones(2 << 20) for _ in range(20)]  # 20 x 8 MB, every page touched
+    del live
+print(faults() - start)
+"""
+
+
+def _faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="the policy is glibc's mallopt")
+def test_kept_memory_is_reused_without_page_faults():
+    """Rounds 2-5 mostly reuse round 1's pages under the policy; glibc's default trims
+    them back to the OS and faults them in again (4 rounds x 160 MB = 160k pages)."""
+    default, kept = _faults("default"), _faults("policy")
+    assert default > 40_000, default  # the pattern does fault by default
+    assert kept < default / 4, (kept, default)
+
+
+def test_configure_process_sets_the_thread_count_numba_included():
+    import numba
+    import torch
+
+    from lab.device import configure_process
+
+    before = torch.get_num_threads()
+    try:
+        assert configure_process(1) == 1
+        assert torch.get_num_threads() == 1 and numba.get_num_threads() == 1
+        assert configure_process(0) == 1  # 0 keeps what is in force
+    finally:
+        configure_process(before)
