@@ -195,3 +195,16 @@ def test_a_norm_without_weight_is_gamma_one():
         b = _local(p, "innovation", ones, backend, instruction=True)
         assert torch.equal(a.grad, b.grad) and torch.equal(a.dgamma, b.dgamma)
         assert torch.equal(a.instruction_grad, b.instruction_grad)
+
+
+@pytest.mark.parametrize("rule", nk.LOCAL_RULES)
+def test_the_short_path_and_the_checked_path_agree_bitwise(rule):
+    """Plain contiguous CPU tensors take a short path; a gamma that requires grad (it
+    is a parameter) goes through the full checks to the same kernel: equal outputs."""
+    p, stats, _ = _case((9, 4, 3, 5), torch.float32, seed=8)
+    kw = dict(scale=0.5, instruction=True, masked=True)
+    short = _local(p, rule, stats, **kw)
+    checked = _local(p, rule, dict(stats, gamma=stats["gamma"].requires_grad_()), **kw)
+    for a, b in zip(short, checked):
+        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and a.shape == b.shape

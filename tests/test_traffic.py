@@ -457,3 +457,17 @@ def test_a_step_frees_its_record_when_it_ends():
         rule.compute_gradients(x, y, 0)
     gc.collect()
     assert sum(type(o) is _Step for o in gc.get_objects()) == 0
+
+
+def test_bench_traffic_quick_smoke():
+    """The speed benchmark runs end to end (ResNet-8, batch 32) and prints its ratios;
+    a subprocess, since it wraps numba_kernels.mixed_local for its breakdown."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_traffic.py"
+    out = subprocess.run([sys.executable, str(bench), "--quick", "--repeats", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    for line in ("kp_traffic / kp: ", "replayed / kp: ", "fused mixed_local kernel "):
+        assert line in out, out

@@ -271,12 +271,14 @@ class KolenPollackTraffic(KolenPollack):
             rec.tapped[index] = out
             return out
 
-        with self._recording(rec):
-            logits = self.model(x, tap=tap)  # (B, n_classes)
-            self._ensure_shapes(rec)
-            loss = F.cross_entropy(logits, y)
-            loss.backward()
-        rec.tapped.clear()  # the step's graph goes now, not at the next garbage collection
+        try:
+            with self._recording(rec):
+                logits = self.model(x, tap=tap)  # (B, n_classes)
+                self._ensure_shapes(rec)
+                loss = F.cross_entropy(logits, y)
+                loss.backward()
+        finally:
+            rec.tapped.clear()  # no record -> output -> graph -> record cycle outlives the step
         for (_, module), b in zip(self.layers, self.feedback):
             b.grad = module.weight.grad.clone()  # KP: B gets W's (mixed-signal) update
         if step is not None:
@@ -307,9 +309,9 @@ class KolenPollackTraffic(KolenPollack):
         stats = {}
         if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
             mean, invstd = rec.stats[id(p.norm)]
-            stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight)
+            stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight.detach())
         res = numba_kernels.mixed_local(
-            g, h, rec.outputs[index], self.coefficients[index], gain, P, b, rule,
+            g, h, rec.outputs[index].detach(), self.coefficients[index], gain, P, b, rule,
             scale=p.scale, instruction=needs[1] and rule != "none", masked=needs[4], **stats)
         if rec.logged:
             for name in SIGNALS:  # back to d sum-loss / dh units
