@@ -342,9 +342,10 @@ def _values(run_dir: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sigkill_mid_sweep_then_resume_equals_uninterrupted(tiny, tmp_path):
-    # Two runs at once: the 1-epoch one finishes while the 40-epoch one is mid-way.
+    # Two runs at once: the 1-epoch one finishes while the 150-epoch one is mid-way
+    # (about 5 s of training: a window wide enough to see on a loaded machine).
     fixed = {key: value for key, value in tiny.items() if key != "epochs"}
-    grid = {"epochs": [1, 40]}
+    grid = {"epochs": [1, 150]}
     killed = write_protocol(tmp_path / "killed.yaml", notebook=str(TRAIN), out="killed",
                             fixed=fixed, grid=grid, threads_per_run=1)
     protocol = load_protocol(killed)
@@ -357,7 +358,7 @@ def test_sigkill_mid_sweep_then_resume_equals_uninterrupted(tiny, tmp_path):
         def one_done_one_training():
             states = plan(protocol, 1)[1]
             try:  # its record, not the lock: a notebook's last cells run after training
-                training = records.load_record(tmp_path / "killed" / "epochs-40",
+                training = records.load_record(tmp_path / "killed" / "epochs-150",
                                                rows=False)["status"] == "running"
             except records.RecordError:
                 training = False
