@@ -192,7 +192,7 @@ class KolenPollackTraffic(KolenPollack):
         self.predictor_updates = 0
         self.predictor_examples = 0  # examples the predictor updates saw (the bill)
         self.last_h: dict[int, torch.Tensor] = {}
-        self._anchor = torch.empty(0, requires_grad=True)
+        self._anchors: dict[torch.device, torch.Tensor] = {}  # see _PopulationStep
         self._reset_sums()
 
     # -- shapes, taps, hooks --------------------------------------------------
@@ -266,7 +266,7 @@ class KolenPollackTraffic(KolenPollack):
             shortcut = None if p.block is None else p.block.shortcut(rec.tapped[index - 2])
             out = _PopulationStep.apply(
                 h.detach(), rec.outputs[index], None if norm is None else norm.weight,
-                None if norm is None else norm.bias, shortcut, self._anchor,
+                None if norm is None else norm.bias, shortcut, self._anchor(h.device),
                 (self, index, rec, teaching))
             rec.tapped[index] = out
             return out
@@ -289,6 +289,12 @@ class KolenPollackTraffic(KolenPollack):
         self.last_h = rec.h  # the populations of this step (diagnostics and tests)
         out = [teaching[i] for i in sorted(teaching)] if record else None
         return StepResult(loss.detach(), logits.detach(), out)
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        """An empty tensor that requires grad, on the population's device."""
+        if device not in self._anchors:
+            self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        return self._anchors[device]
 
     def _local_step(self, index, g, rec: _Step, teaching, needs):
         """Population ``index``'s backward step: g = I / B = d mean-loss / dh.
