@@ -471,3 +471,19 @@ def test_bench_traffic_quick_smoke():
                          capture_output=True, text=True, check=True).stdout
     for line in ("kp_traffic / kp: ", "replayed / kp: ", "fused mixed_local kernel "):
         assert line in out, out
+
+
+def test_a_norm_without_affine_parameters_trains_like_kp():
+    """BatchNorm(affine=False): no gamma or beta to credit; the step is still clean KP's."""
+    x, y = _batch(2)
+    grads = []
+    for rule_name, params in (("kp", {}), ("kp_traffic", {"traffic_rule": "none"})):
+        model, rule = _setup(rule_name, params, dims=2)
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.affine, module.weight, module.bias = False, None, None
+        rule = make_rule(rule_name, model, params, seed=3)
+        grads.append(_grads(model, rule, x, y)[0])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        _same(grads[1][name], grads[0][name], name)

@@ -315,7 +315,9 @@ class KolenPollackTraffic(KolenPollack):
         stats = {}
         if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
             mean, invstd = rec.stats[id(p.norm)]
-            stats = dict(mean=mean, invstd=invstd, gamma=p.norm.weight.detach())
+            weight = p.norm.weight  # None for a norm without affine parameters
+            stats = dict(mean=mean, invstd=invstd,
+                         gamma=None if weight is None else weight.detach())
         res = numba_kernels.mixed_local(
             g, h, rec.outputs[index].detach(), self.coefficients[index], gain, P, b, rule,
             scale=p.scale, instruction=needs[1] and rule != "none", masked=needs[4], **stats)
