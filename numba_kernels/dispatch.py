@@ -273,6 +273,18 @@ def _channel_stats(name: str, t, h: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _local_squares(chan, rows, code: int) -> tuple:
+    """[used, instruction, raw, innovation, traffic] sums of squares from ``mixed_local``'s
+    per-channel sums (Ch, 8) and, for matched, its per-example rows (B, 2): numpy arrays
+    or tensors (on a GPU without a host sync)."""
+    tot = chan[:, :4].sum(0)  # channels in order: [instruction, traffic, raw, innovation]
+    if code == cpu.MATCHED:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
+        ss_used = (rows[:, 1] * (rows[:, 0] > 0)).sum()
+    else:
+        ss_used = tot[{cpu.RAW: 2, cpu.INNOVATION: 3, cpu.NONE: 0}[code]]
+    return ss_used, tot[0], tot[2], tot[3], tot[1]
+
+
 def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scale,  # noqa: E741
                     instruction: bool, masked: bool, out):
     """``mixed_local`` on plain contiguous CPU tensors with a norm, else None (checked path).
@@ -308,12 +320,7 @@ def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scal
         *(absent if t is None else t.numpy().reshape(cube) for t in extra),
         C_.reshape(Ch, S), dt.type(gain), P_.reshape(Ch, S), b_.reshape(Ch, S), code,
         dt.type(scale), m_, s_, g_)
-    tot = chan[:, :4].sum(0)  # [instruction, traffic, raw, innovation]
-    if code == cpu.MATCHED:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
-        ss_used = rows[:, 1][rows[:, 0] > 0].sum()
-    else:
-        ss_used = tot[{cpu.RAW: 2, cpu.INNOVATION: 3, cpu.NONE: 0}[code]]
-    ss = torch.from_numpy(np.array([ss_used, tot[0], tot[2], tot[3], tot[1]])).unbind()
+    ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
     norm = torch.from_numpy(chan[:, cpu.L_M:cpu.L_MX + 1].T.astype(dt))  # (2, Ch)
     if out is not None:
         _mark_written(out)
@@ -411,19 +418,14 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
                             arr(rows), arr(part), arr(kac), stream=stream)
         if code != cpu.MATCHED:
             rows = None
-    tot = chan[:, :4].sum(0)  # channels in order: [instruction, traffic, raw, innovation]
-    if code == cpu.MATCHED:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
-        ss_used = torch.where(rows[:, 0] > 0, rows[:, 1], 0.0).sum()
-    else:
-        ss_used = tot[{cpu.RAW: 2, cpu.INNOVATION: 3, cpu.NONE: 0}[code]]
+    ss = _local_squares(chan, rows, code)
     dgamma = dbeta = None
     if mean is not None:
         dgamma, dbeta = chan[:, cpu.L_MX].to(h.dtype), chan[:, cpu.L_M].to(h.dtype)
     _mark_written(grad)
     result = given if given is not None else grad.view(h.shape)
     inst, msk = (None if t is None else t.view(h.shape) for t in extra)
-    return MixedLocal(result, inst, msk, dgamma, dbeta, ss_used, tot[0], tot[2], tot[3],
-                      tot[1])
+    return MixedLocal(result, inst, msk, dgamma, dbeta, *ss)
 
 
 def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:

@@ -94,6 +94,11 @@ class _Producer:
     scale: float  # residual scale on the norm's output (outer populations)
     block: nn.Module | None  # the block whose shortcut is added (outer populations)
 
+    @property
+    def batchnorm(self) -> nn.Module | None:
+        """The norm when it is a BatchNorm (batch statistics to carry), else None."""
+        return self.norm if isinstance(self.norm, nn.modules.batchnorm._BatchNorm) else None
+
 
 def _producers(model: ResNet) -> list[_Producer]:
     out = [_Producer(model.stem, model.stem_norm, 1.0, None)]
@@ -229,7 +234,7 @@ class KolenPollackTraffic(KolenPollack):
                 step.inputs[index] = inputs[0].detach()
                 step.outputs[index] = output
             handles.append(p.conv.register_forward_hook(save))
-            if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
+            if p.batchnorm is not None:
                 handles.append(p.norm.register_forward_hook(_save_stats(step)))
             frozen += [t for t in (p.conv.weight, p.conv.bias)
                        if t is not None and t.requires_grad]
@@ -261,7 +266,7 @@ class KolenPollackTraffic(KolenPollack):
         def tap(index, h):
             rec.h[index] = h.detach()
             p = self.producers[index]
-            norm = p.norm if isinstance(p.norm, nn.modules.batchnorm._BatchNorm) else None
+            norm = p.batchnorm
             # Outer populations: the block's shortcut of its input (the tap two back).
             shortcut = None if p.block is None else p.block.shortcut(rec.tapped[index - 2])
             out = _PopulationStep.apply(
@@ -313,7 +318,7 @@ class KolenPollackTraffic(KolenPollack):
         gain, P, b = self.gains[index] / batch, self.P[index] / batch, self.b[index] / batch
         rule = self.params.traffic_rule
         stats = {}
-        if isinstance(p.norm, nn.modules.batchnorm._BatchNorm):
+        if p.batchnorm is not None:
             mean, invstd = rec.stats[id(p.norm)]
             weight = p.norm.weight  # None for a norm without affine parameters
             stats = dict(mean=mean, invstd=invstd,
