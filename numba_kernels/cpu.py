@@ -359,6 +359,9 @@ L_SUMS = 8
 def _make_local(rule):
     # One compiled pair of slab loops per rule (no rule branch inside a loop: the loops
     # vectorise). A slab is one example's slice of one channel, contiguous, length S.
+    # The slab loops take the whole (B, Ch, S) arrays and the slab's (e, ch), not slices:
+    # at S = 64 (a ResNet-20's last stage) building ten array views per slab cost more
+    # than the slab's arithmetic.
     @njit(cache=True, inline="always")
     def used(i, t, r, n, f):
         if rule == RAW:
@@ -370,16 +373,17 @@ def _make_local(rule):
         return i
 
     @njit(cache=True, fastmath={"reassoc", "contract"})
-    def sums(i_, h_, o_, gC, d, b, f, scale, mu, istd, zero):
-        # Pass 1: the norm's reductions of the masked used signal m and instruction q.
+    def sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero):
+        # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
+        # instruction q.
         s_m = s_mx = s_q = s_qx = zero
-        for j in range(i_.size):
-            i, hv = i_[j], h_[j]
-            t, r, n = _signals(i, hv, gC[j], d[j], b[j])
+        for j in range(I.shape[2]):
+            i, hv = I[e, ch, j], H[e, ch, j]
+            t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
             on = hv > zero
             m = scale * used(i, t, r, n, f) if on else zero
             q = scale * i if on else zero
-            xh = (o_[j] - mu) * istd
+            xh = (O[e, ch, j] - mu) * istd
             s_m += m
             s_mx += m * xh
             s_q += q
@@ -392,24 +396,25 @@ def _make_local(rule):
         # squares: this pass waits on its stores, pass 1 on its reductions, so the
         # squares ride here nearly free.
         @njit(cache=True, fastmath={"reassoc", "contract"})
-        def write(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero):
+        def write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd, kac,
+                  zero):
             # out = k (m - mean m - xhat mean(m xhat)); inst the same for q; masked = I
             # where h > 0. Without a norm k = 1, the means are 0 and mu = istd = 0, so
             # out = m exactly.
-            k, a, c, aq, cq = kac[0], kac[1], kac[2], kac[3], kac[4]
+            k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
             s_i = s_t = s_r = s_n = zero
-            for j in range(i_.size):
-                i, hv = i_[j], h_[j]
-                t, r, n = _signals(i, hv, gC[j], d[j], b[j])
+            for j in range(I.shape[2]):
+                i, hv = I[e, ch, j], H[e, ch, j]
+                t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
                 on = hv > zero
                 m = scale * used(i, t, r, n, f) if on else zero
-                xh = (o_[j] - mu) * istd
-                out[j] = k * (m - a - xh * c)
+                xh = (O[e, ch, j] - mu) * istd
+                OUT[e, ch, j] = k * (m - a - xh * c)
                 if want_inst:
                     q = scale * i if on else zero
-                    inst[j] = k * (q - aq - xh * cq)
+                    INST[e, ch, j] = k * (q - aq - xh * cq)
                 if want_masked:
-                    masked[j] = i if on else zero
+                    MASKED[e, ch, j] = i if on else zero
                 s_i += i * i
                 s_t += t * t
                 s_r += r * r
@@ -420,51 +425,50 @@ def _make_local(rule):
     write_u, write_ui = make_write(False, False), make_write(True, False)
     write_um, write_uim = make_write(False, True), make_write(True, True)
 
-    @njit(cache=True)
-    def write(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero):
-        if inst.size and masked.size:
-            return write_uim(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd,
-                             kac, zero)
-        if inst.size:
-            return write_ui(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac,
-                            zero)
-        if masked.size:
-            return write_um(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac,
-                            zero)
-        return write_u(i_, h_, o_, out, inst, masked, gC, d, b, f, scale, mu, istd, kac, zero)
+    @njit(cache=True, inline="always")
+    def example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                      has_norm, e, part, zero):
+        # Example e, channels in memory order: writes, and the slabs' sums of squares
+        # into part[e] (float64). The set of outputs (an absent one has S = 0) picks
+        # the compiled loop.
+        f = fac[e]
+        for ch in range(I.shape[1]):
+            mu = mean[ch] if has_norm else zero
+            sd = istd[ch] if has_norm else zero
+            args = (I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac, zero)
+            if inst.shape[2] and masked.shape[2]:
+                x = write_uim(*args)
+            elif inst.shape[2]:
+                x = write_ui(*args)
+            elif masked.shape[2]:
+                x = write_um(*args)
+            else:
+                x = write_u(*args)
+            for q in range(4):
+                part[e, ch, q] = x[q]
 
-    @njit(cache=True)
+    @njit(cache=True, inline="always")
     def example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero):
         # Example e, channels in memory order: its per-channel slab sums (input dtype)
         # into part[e] (float64). A task per example, in memory order: streaming reads.
         for ch in range(I.shape[1]):
             mu = mean[ch] if has_norm else zero
             sd = istd[ch] if has_norm else zero
-            x = sums(I[e, ch], h[e, ch], o[e, ch], gC[ch], d[ch], b[ch], fac[e], scale, mu,
-                     sd, zero)
+            x = sums(I, h, o, gC, d, b, e, ch, fac[e], scale, mu, sd, zero)
             for q in range(4):
                 part[e, ch, L_M + q] = x[q]
 
     @njit(cache=True)
-    def example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                      has_norm, e, part, zero):
-        for ch in range(I.shape[1]):
-            mu = mean[ch] if has_norm else zero
-            sd = istd[ch] if has_norm else zero
-            x = write(I[e, ch], h[e, ch], o[e, ch], out[e, ch], inst[e, ch], masked[e, ch],
-                      gC[ch], d[ch], b[ch], fac[e], scale, mu, sd, kac[ch], zero)
-            for q in range(4):
-                part[e, ch, q] = x[q]
-
-    @njit(cache=True)
     def combine(part, q0, q1, chan):
-        # Channel sums of columns q0:q1: examples added in example order (float64).
+        # Channel sums of columns q0:q1: examples added in example order (float64),
+        # walking part in memory order.
         for ch in range(part.shape[1]):
             for q in range(q0, q1):
-                acc = 0.0
-                for e in range(part.shape[0]):
-                    acc += part[e, ch, q]
-                chan[ch, q] = acc
+                chan[ch, q] = 0.0
+        for e in range(part.shape[0]):
+            for ch in range(part.shape[1]):
+                for q in range(q0, q1):
+                    chan[ch, q] += part[e, ch, q]
 
     @njit(cache=True)
     def factors(chan, gamma, istd, has_norm, count, kac):
@@ -564,7 +568,10 @@ def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, 
     per-example rows (B, 2) [ss R, ss N], else None.
     """
     B, Ch, S = I.shape
-    gC, d, _, _, zero = _setup(I, C, g, P)
+    gC, d, _, _, _ = _setup(I, C, g, P)
+    # Made here, not taken from _setup: a float32 scalar returned to Python comes back
+    # as a Python float, and a float64 zero would turn every loop into float64 arithmetic.
+    zero = I.dtype.type(0)
     gC, d = gC.reshape(Ch, S), d.reshape(Ch, S)
     rows = None
     fac = np.ones(B, dtype=I.dtype)

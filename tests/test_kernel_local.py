@@ -208,3 +208,22 @@ def test_the_short_path_and_the_checked_path_agree_bitwise(rule):
     for a, b in zip(short, checked):
         assert torch.equal(a, b)
         assert a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_float32_populations_run_float32_loops():
+    """Every scalar a float32 population's kernel is compiled for is float32: one float64
+    scalar (the zero, a norm statistic, the scale) makes numba promote the slab loops to
+    float64, converting every element twice (a third slower at ResNet-20 sizes)."""
+    from numba.core import types
+
+    for shape in [(3, 2, 5), (64, 16, 8, 8)]:  # below and above SERIAL_BELOW
+        p, stats, _ = _case(shape, torch.float32)
+        for rule in nk.LOCAL_RULES:
+            _local(p, rule, stats, instruction=True, masked=True)
+            _local(p, rule, {})
+    compiled = [sig for kernels in cpu._LOCAL.values() for kernel in kernels
+                for sig in kernel.signatures if sig[0].dtype == types.float32]
+    assert len(compiled) >= 8  # both forms of all four rules
+    for sig in compiled:
+        scalars = [a for a in sig if isinstance(a, types.Float)]
+        assert scalars and all(a == types.float32 for a in scalars), sig
