@@ -467,9 +467,10 @@ def test_bench_traffic_quick_smoke():
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_traffic.py"
-    out = subprocess.run([sys.executable, str(bench), "--quick", "--repeats", "2"],
+    out = subprocess.run([sys.executable, str(bench), "--quick", "--repeats", "2", "--runs", "2"],
                          capture_output=True, text=True, check=True).stdout
-    for line in ("kp_traffic / kp: ", "replayed / kp: ", "fused mixed_local kernel "):
+    for line in ("kp_traffic / kp: ", "replayed / kp: ", "fused mixed_local kernel ", "run 2:",
+                 "median of 2 runs"):
         assert line in out, out
 
 
