@@ -372,18 +372,28 @@ def _make_local(rule):
             return f * r  # R * ||N_e|| / ||R_e||, as mixed_apical rounds it
         return i
 
+    @njit(cache=True, inline="always")
+    def element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero):
+        # One element of slab (e, ch), as both passes see it: the instruction, the
+        # signals, the ReLU mask, the masked scaled used signal m and the normalised
+        # layer output xhat. Inlined into each slab loop in numba's IR, so the loop's
+        # fastmath flags apply to it.
+        i, hv = I[e, ch, j], H[e, ch, j]
+        t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
+        on = hv > zero
+        m = scale * used(i, t, r, n, f) if on else zero
+        xh = (O[e, ch, j] - mu) * istd
+        return i, t, r, n, on, m, xh
+
     @njit(cache=True, fastmath={"reassoc", "contract"})
     def sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero):
         # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
         # instruction q.
         s_m = s_mx = s_q = s_qx = zero
         for j in range(I.shape[2]):
-            i, hv = I[e, ch, j], H[e, ch, j]
-            t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
-            on = hv > zero
-            m = scale * used(i, t, r, n, f) if on else zero
+            i, t, r, n, on, m, xh = element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
+                                            zero)
             q = scale * i if on else zero
-            xh = (O[e, ch, j] - mu) * istd
             s_m += m
             s_mx += m * xh
             s_q += q
@@ -404,11 +414,8 @@ def _make_local(rule):
             k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
             s_i = s_t = s_r = s_n = zero
             for j in range(I.shape[2]):
-                i, hv = I[e, ch, j], H[e, ch, j]
-                t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
-                on = hv > zero
-                m = scale * used(i, t, r, n, f) if on else zero
-                xh = (O[e, ch, j] - mu) * istd
+                i, t, r, n, on, m, xh = element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu,
+                                                istd, zero)
                 OUT[e, ch, j] = k * (m - a - xh * c)
                 if want_inst:
                     q = scale * i if on else zero
