@@ -20,6 +20,9 @@ from typing import Any
 # run's identity (resume and sweep comparisons), so toggling a progress bar
 # never makes a finished run look stale or refuses a resume.
 DISPLAY_ONLY = frozenset({"progress"})
+# The largest seed every generator a run seeds accepts (torch takes a signed 64-bit
+# integer): a seed field is ``bounded(0, 0, SEED_MAX)``.
+SEED_MAX = 2**63 - 1
 
 
 def identity(config: dict) -> dict:

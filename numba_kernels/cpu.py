@@ -7,8 +7,8 @@ populations as ``(B, N)`` (batch, units), per-unit parameters as ``(N,)``.
 
 Determinism without atomics: every sum of squares is formed per example row, in
 chunks of ``CHUNK`` units whose partial sums are added to the row's float64 total
-in chunk order; the population total adds the rows in row order. Tasks are fixed
-pairs of rows; which thread runs a task never changes the arithmetic, so results
+in chunk order; the population total adds the rows in row order. A task is one
+example row; which thread runs a task never changes the arithmetic, so results
 are equal bit for bit run to run and for any ``NUMBA_NUM_THREADS``.
 
 Speed: inside a chunk the squares are summed in the input dtype (float32 lanes
@@ -54,38 +54,24 @@ def _signals(i, hv, gc, d, bb):
 
 
 def _make_chunk(rule):
-    # One chunk of a pair of rows (1-D slices): writes the rows' ``out`` (innovation
-    # N, or raw R, which matched rescales in a second pass) and returns each row's sums
-    # of squares in the input dtype. Two rows share each load of gC, d, b, which halves
-    # the per-unit traffic (it is as large as the rows' own once N outgrows L1). One
-    # compiled loop per rule with no branch inside, 1-D slices, a plain range loop and
-    # the stores after every load: that is what lets LLVM vectorise the eight
-    # reductions. ``contract`` makes each ``acc += x * x`` one FMA (see the module
-    # docstring for what else it may fuse).
+    # One chunk of one example row (1-D slices): writes the row's ``out`` (innovation N,
+    # or raw R, which matched rescales in a second pass) and returns the row's sums of
+    # squares in the input dtype. One compiled loop per rule with no branch inside, 1-D
+    # slices, a plain range loop and the store after every load: that is what lets LLVM
+    # vectorise the four reductions. ``contract`` makes each ``acc += x * x`` one FMA
+    # (see the module docstring for what else it may fuse).
     @njit(cache=True, fastmath={"reassoc", "contract"})
-    def chunk(I0, h0, o0, I1, h1, o1, gC, d, b, zero):
-        a_i = a_t = a_r = a_n = zero  # row 0
-        c_i = c_t = c_r = c_n = zero  # row 1
-        for j in range(I0.size):
-            g, dd, bb = gC[j], d[j], b[j]
-            i0, i1 = I0[j], I1[j]
-            t0, r0, n0 = _signals(i0, h0[j], g, dd, bb)
-            t1, r1, n1 = _signals(i1, h1[j], g, dd, bb)
-            a_i += i0 * i0
-            a_t += t0 * t0
-            a_r += r0 * r0
-            a_n += n0 * n0
-            c_i += i1 * i1
-            c_t += t1 * t1
-            c_r += r1 * r1
-            c_n += n1 * n1
-            if rule == INNOVATION:
-                o0[j] = n0
-                o1[j] = n1
-            else:
-                o0[j] = r0
-                o1[j] = r1
-        return (a_i, a_t, a_r, a_n), (c_i, c_t, c_r, c_n)
+    def chunk(I, h, o, gC, d, b, zero):
+        a_i = a_t = a_r = a_n = zero
+        for j in range(I.size):
+            i = I[j]
+            t, r, n = _signals(i, h[j], gC[j], d[j], b[j])
+            a_i += i * i
+            a_t += t * t
+            a_r += r * r
+            a_n += n * n
+            o[j] = n if rule == INNOVATION else r
+        return a_i, a_t, a_r, a_n
 
     return chunk
 
@@ -94,58 +80,33 @@ _chunk_raw, _chunk_innovation = _make_chunk(RAW), _make_chunk(INNOVATION)
 
 
 @njit(cache=True)
-def _pair_pass(I, h, gC, d, b, e0, e1, rule, out, rows, zero):
-    """Sums of squares of rows e0, e1 into ``rows``; writes their ``out``.
+def _row(I, h, gC, d, b, e, rule, out, rows, scales, zero):
+    """One task: row e's sums of squares into ``rows[e]``; writes ``out[e]``.
 
-    Each row has its own accumulators, so a row's sums do not depend on its partner's
-    values; the last row of an odd batch is paired with itself (written twice, with
-    equal values). Pairs are fixed by row index, never by thread.
+    Chunk partials are added to float64 row sums in chunk order. Matched then rescales
+    the row in place while it is still in cache (L2) to R * ||N_e|| / ||R_e||.
     """
     N = I.shape[1]
-    s0 = s1 = (0.0, 0.0, 0.0, 0.0)  # float64 row sums, chunk partials added in chunk order
+    s = (0.0, 0.0, 0.0, 0.0)
     for c in range((N + CHUNK - 1) // CHUNK):
         j0 = c * CHUNK
         j1 = min(j0 + CHUNK, N)
-        args = (I[e0, j0:j1], h[e0, j0:j1], out[e0, j0:j1], I[e1, j0:j1], h[e1, j0:j1],
-                out[e1, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+        args = (I[e, j0:j1], h[e, j0:j1], out[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
         if rule == INNOVATION:
-            x0, x1 = _chunk_innovation(*args)
+            x = _chunk_innovation(*args)
         else:  # raw, and matched's first pass
-            x0, x1 = _chunk_raw(*args)
-        s0 = (s0[0] + np.float64(x0[0]), s0[1] + np.float64(x0[1]),
-              s0[2] + np.float64(x0[2]), s0[3] + np.float64(x0[3]))
-        s1 = (s1[0] + np.float64(x1[0]), s1[1] + np.float64(x1[1]),
-              s1[2] + np.float64(x1[2]), s1[3] + np.float64(x1[3]))
+            x = _chunk_raw(*args)
+        s = (s[0] + np.float64(x[0]), s[1] + np.float64(x[1]),
+             s[2] + np.float64(x[2]), s[3] + np.float64(x[3]))
     for q in range(4):
-        rows[e0, q] = s0[q]
-        rows[e1, q] = s1[q]
-
-
-@njit(cache=True)
-def _matched_scale(rows, e):
-    # ||N_e|| / ||R_e||; an all-zero raw row has no direction, so it is sent as zero.
-    if rows[e, SS_R] > 0.0:
-        return math.sqrt(rows[e, SS_N] / rows[e, SS_R])
-    return 0.0
-
-
-@njit(cache=True)
-def _row_scale(o, s):
-    # Second pass of matched on one row (1-D, still in L1/L2): raw * (||N_e|| / ||R_e||).
-    for j in range(o.size):
-        o[j] *= s
-
-
-@njit(cache=True)
-def _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero):
-    # One task: rows 2*pair and 2*pair + 1 (the last row twice if the batch is odd).
-    e0 = 2 * pair
-    e1 = min(e0 + 1, I.shape[0] - 1)
-    _pair_pass(I, h, gC, d, b, e0, e1, rule, out, rows, zero)
+        rows[e, q] = s[q]
     if rule == MATCHED:
-        for e in range(e0, e1 + 1):
-            scales[e] = _matched_scale(rows, e)  # rounded to the input dtype here
-            _row_scale(out[e], scales[e])
+        # ||N_e|| / ||R_e||, rounded to the input dtype; an all-zero raw row has no
+        # direction, so it is sent as zero.
+        scales[e] = math.sqrt(s[SS_N] / s[SS_R]) if s[SS_R] > 0.0 else 0.0
+        o, f = out[e], scales[e]
+        for j in range(N):
+            o[j] *= f
 
 
 @njit(cache=True)
@@ -179,16 +140,16 @@ def _setup(I, C, g, P):
 @njit(cache=True, parallel=True)
 def _mixed_parallel(I, h, C, g, P, b, rule, out):
     gC, d, rows, scales, zero = _setup(I, C, g, P)
-    for pair in prange((I.shape[0] + 1) // 2):
-        _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero)
+    for e in prange(I.shape[0]):
+        _row(I, h, gC, d, b, e, rule, out, rows, scales, zero)
     return _totals(rows, rule)
 
 
 @njit(cache=True)
 def _mixed_serial(I, h, C, g, P, b, rule, out):
     gC, d, rows, scales, zero = _setup(I, C, g, P)
-    for pair in range((I.shape[0] + 1) // 2):
-        _pair(I, h, gC, d, b, pair, rule, out, rows, scales, zero)
+    for e in range(I.shape[0]):
+        _row(I, h, gC, d, b, e, rule, out, rows, scales, zero)
     return _totals(rows, rule)
 
 
@@ -198,16 +159,19 @@ def mixed_apical(I, h, C, g, P, b, rule: int, out):
     I, h, out: (B, N); C, P, b: (N,); g: the gain as a scalar of the input dtype
     (``I.dtype.type(gain)``), so g*C is rounded as torch's ``C * gain``.
 
-    Launch: ``prange`` over ceil(B / 2) tasks, each a pair of example rows (so
-    B >= 2 * threads keeps every core busy; B <= 2 runs on one core); serial below
-    ``SERIAL_BELOW`` elements. Memory contract: reads I, h (B, N) and C, P, b (N,)
-    (once, to form g*C and g*C - P, which stay cache-resident and are read once per
-    pair of rows); writes ``out`` (B, N) (not in place); no other writes but
-    per-call workspaces of (N,) and (B, 4). Bytes per element: 3 * itemsize (read
-    I, h; write used) plus 3 * itemsize per unit. Matched makes two passes inside
-    one task: the first writes raw and forms the pair's sums of squares (hence
-    ||N_e||, ||R_e||), the second rescales the row in place while it is still in
-    cache (L2) to R * ||N_e|| / ||R_e||; from main memory it still moves
+    Launch: ``prange`` over the B example rows (numba gives each thread a contiguous
+    block of rows, so each thread streams its part of I, h and out front to back:
+    three streams per thread, as in an add); serial below ``SERIAL_BELOW`` elements.
+    (Pairs of rows sharing each load of the per-unit factors were faster with the
+    population in cache, but six streams per thread lose a quarter of the streaming
+    bandwidth; see ``benchmarks/bench_kernels.py``.) Memory contract: reads I, h
+    (B, N) and C, P, b (N,) (once, to form g*C and g*C - P, which stay cache-resident
+    and are read once per row); writes ``out`` (B, N) (not in place); no other
+    writes but per-call workspaces of (N,) and (B, 4). Bytes per element:
+    3 * itemsize (read I, h; write used) plus 3 * itemsize per unit. Matched makes
+    two passes inside one task: the first writes raw and forms the row's sums of
+    squares (hence ||N_e||, ||R_e||), the second rescales the row in place while it
+    is still in cache (L2) to R * ||N_e|| / ||R_e||; from main memory it still moves
     3 * itemsize per element (plus 2 * itemsize read and written in cache).
     Totals: [ss instruction, ss traffic, ss raw, ss innovation, ss used] (float64).
     """

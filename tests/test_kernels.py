@@ -152,8 +152,10 @@ def test_mixed_apical_is_bitwise_deterministic(rule):
 
 def test_serial_and_parallel_kernels_agree_bitwise():
     # The chunking fixes the arithmetic; the thread schedule must not change it.
-    p = population((41, 1000), torch.float32, seed=4)  # odd batch: a row paired with itself
-    B, N = 41, 1000
+    # An odd batch (rows do not split evenly over the threads) and rows of three
+    # chunks, the last one partial.
+    B, N = 41, 2 * cpu.CHUNK + 808
+    p = population((B, N), torch.float32, seed=4)
     args = [p["I"].numpy(), p["h"].numpy(), p["C"].numpy(), np.float32(p["gain"]),
             p["P"].numpy(), p["b"].numpy()]
     for code in (cpu.RAW, cpu.INNOVATION, cpu.MATCHED):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..data import DATASETS, load_dataset
 from ..data.augment import augment
 from ..data.batches import iterate_batches
@@ -76,7 +76,7 @@ class ConvConfig:
     alignment_every: int = bounded(0, 0)  # epochs between measurements; 0 = never
     alignment_batch: int = bounded(256, 1)
     # run
-    seed: int = bounded(0, 0)
+    seed: int = bounded(0, 0, SEED_MAX)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     threads: int = bounded(0, 0)  # 0 = torch's default
     checkpoint_every: int = bounded(1, 0)  # epochs; 0 = only at the end
