@@ -120,8 +120,9 @@ def _totals(rows, rule):
             tot[4] += rows[e, SS_R]
         elif rule == INNOVATION:
             tot[4] += rows[e, SS_N]
-        elif rows[e, SS_R] > 0.0:
-            # ||M_e|| = ||N_e|| exactly in real arithmetic; zero where raw is zero.
+        elif rows[e, SS_R] != 0.0:
+            # ||M_e|| = ||N_e|| exactly in real arithmetic; zero where raw is zero. (A NaN
+            # row is not zero: its NaN reaches the total, as in the reference.)
             tot[4] += rows[e, SS_N]
     return tot
 

@@ -48,6 +48,9 @@ def _tensor(name: str, t, like: torch.Tensor | None = None,
     if like is not None and (t.dtype != like.dtype or t.device != like.device):
         raise ValueError(f"{name} ({_describe(t)}) must match {like_name} dtype "
                          f"{like.dtype} and device {like.device}")
+    if t.is_neg():
+        raise ValueError(f"{name} ({_describe(t)}) is a lazily negated view (negative bit "
+                         f"set); pass {name}.resolve_neg()")
     return t.detach() if t.requires_grad else t  # (detach costs a little: aux_add is hot)
 
 
@@ -70,6 +73,30 @@ def _per_unit(name: str, t, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    # [first byte, last byte + 1) of the memory the tensor's elements occupy.
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _refuse_overlap(written: str, w: torch.Tensor, others: dict, exact_ok: bool) -> None:
+    """A tensor written in place must not share memory with another argument: the
+    kernels read and write in their own order, so the result would depend on it
+    (torch refuses the same). ``exact_ok``: the very same view is fine (an
+    element-wise update reads each element before it writes it)."""
+    lo, hi = _span(w)
+    for name, t in others.items():
+        if t is None or t.numel() == 0 or w.numel() == 0:
+            continue
+        t_lo, t_hi = _span(t)
+        same = (t.data_ptr() == w.data_ptr() and t.shape == w.shape
+                and t.stride() == w.stride())
+        if t_lo < hi and lo < t_hi and not (exact_ok and same):
+            raise ValueError(f"{name} ({_describe(t)}) shares memory with {written} "
+                             f"({_describe(w)}), which is written in place; pass a copy "
+                             f"({name}.clone())")
+
+
 def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{name} ({_describe(t)}) is written in place and must be "
@@ -78,15 +105,24 @@ def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _scalar(name: str, x) -> float:
+def _scalar(name: str, x, dtype: torch.dtype | None = None) -> float:
+    """A finite number (python, numpy or a one-element tensor); with ``dtype``, one
+    that stays finite when rounded to it (the kernels form g*C in the input dtype)."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a python float or a 0-d tensor, got shape "
                              f"{tuple(x.shape)}")
         x = x.item()  # a host sync on a GPU: the gain is calibrated once, so it is cheap
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number (python float or a 0-d tensor), got "
+                        f"{x!r} ({type(x).__name__})")
     x = float(x)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
+    if dtype is not None and abs(x) > torch.finfo(dtype).max:
+        raise ValueError(f"{name}={x!r} overflows {dtype} (largest finite value "
+                         f"{torch.finfo(dtype).max:.6g}); the kernels work in the inputs' "
+                         f"dtype")
     return x
 
 
@@ -139,6 +175,7 @@ def _mark_written(*tensors: torch.Tensor) -> None:
 
 
 _NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_LARGEST = {dt: float(np.finfo(dt).max) for dt in _NUMPY_DTYPES}
 
 
 def _cpu_views(*tensors):
@@ -149,15 +186,12 @@ def _cpu_views(*tensors):
     the checks of the full path cost a visible share of the kernel's time. The checks
     here are few and mostly on the numpy views, whose attributes are cheap; anything
     unusual (grad, CUDA, not a tensor, an odd dtype, not contiguous) goes to the
-    checked path, which handles it or raises the error naming the argument. ``None``
-    entries (an absent ``out``) pass through.
+    checked path, which handles it or raises the error naming the argument (a
+    ``None`` too: callers pass an absent ``out`` separately).
     """
     views = []
     try:
         for t in tensors:
-            if t is None:
-                views.append(None)
-                continue
             # requires_grad first: .numpy() would raise, and a raise costs more than
             # the kernel; is_cpu likewise (a CUDA tensor must not pay for an exception)
             if t.requires_grad or not t.is_cpu:
@@ -173,13 +207,15 @@ def _cpu_views(*tensors):
 
 def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
     """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None."""
-    if not isinstance(gain, (float, int)) or not math.isfinite(gain):
+    if type(gain) not in (float, int) or not math.isfinite(gain):  # a bool is no gain
         return None
-    views = _cpu_views(I, h, C, P, b, out)
+    views = _cpu_views(I, h, C, P, b, *(() if out is None else (out,)))
     if views is None:
         return None
-    I_, h_, C_, P_, b_, o_ = views
+    I_, h_, C_, P_, b_, o_ = views if out is not None else (*views, None)
     shape, dt = h_.shape, h_.dtype
+    if not abs(gain) <= _LARGEST[dt]:  # g*C would overflow: the checked path says so
+        return None
     population = len(shape) >= 2 and h_.size > 0 and I_.shape == shape
     per_unit = C_.shape == P_.shape == b_.shape == shape[1:]
     one_dtype = I_.dtype is C_.dtype is P_.dtype is b_.dtype is dt  # numpy's are singletons
@@ -223,7 +259,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     h = _population("h", h)
     I = _population("I", I, like=h)  # noqa: E741
     C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
-    g = _scalar("gain", gain)
+    g = _scalar("gain", gain, h.dtype)
     given = out  # returned as ``.used`` itself; written through its detached alias
     if out is not None:
         out = _in_place("out", _population("out", out, like=h))
@@ -293,16 +329,17 @@ def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scal
     bookkeeping costs about a tenth of the kernel at ResNet-20 sizes.
     """
     if (any(t is None for t in (I, h, o, C, P, b, mean, invstd, gamma))
-            or not isinstance(gain, (float, int))
-            or not isinstance(scale, (float, int))
+            or type(gain) not in (float, int)
+            or type(scale) not in (float, int)
             or not (math.isfinite(gain) and math.isfinite(scale))):
         return None
-    views = _cpu_views(I, h, o, C, P, b, mean, invstd, gamma, out)
+    views = _cpu_views(I, h, o, C, P, b, mean, invstd, gamma, *(() if out is None else (out,)))
     if views is None:
         return None
-    I_, h_, o_, C_, P_, b_, m_, s_, g_, out_ = views
+    I_, h_, o_, C_, P_, b_, m_, s_, g_, out_ = views if out is not None else (*views, None)
     shape, dt = h_.shape, h_.dtype
-    if (len(shape) < 2 or h_.size == 0 or I_.shape != shape or o_.shape != shape
+    if (not (abs(gain) <= _LARGEST[dt] and abs(scale) <= _LARGEST[dt])
+            or len(shape) < 2 or h_.size == 0 or I_.shape != shape or o_.shape != shape
             or not C_.shape == P_.shape == b_.shape == shape[1:]
             or not m_.shape == s_.shape == g_.shape == shape[1:2]
             or (out_ is not None and out_.shape != shape)
@@ -365,7 +402,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     if mean is not None:
         mean, invstd = _channel_stats("mean", mean, h), _channel_stats("invstd", invstd, h)
         gamma = torch.ones_like(mean) if gamma is None else _channel_stats("gamma", gamma, h)
-    g, sc = _scalar("gain", gain), _scalar("scale", scale)
+    g, sc = _scalar("gain", gain, h.dtype), _scalar("scale", scale, h.dtype)
     given = out
     if out is not None:
         out = _in_place("out", _population("out", out, like=h))
@@ -442,6 +479,8 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     T = _population("T", T, like=h)
     P = _in_place("P", _per_unit("P", P, h))
     b = _in_place("b", _per_unit("b", b, h))
+    _refuse_overlap("P", P, {"b": b, "h": h, "T": T}, exact_ok=False)
+    _refuse_overlap("b", b, {"h": h, "T": T}, exact_ok=False)
     lr = _scalar("eta", eta)
     form = _form(backend, h.device)
     if form == "torch":
@@ -470,7 +509,10 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     if backend == "auto":
         views = _cpu_views(dst, src)
         if (views is not None and views[0].shape == views[1].shape
-                and views[0].dtype == views[1].dtype and views[0].size):
+                and views[0].dtype == views[1].dtype and views[0].size
+                # both contiguous, same size: apart, or one view of the same memory
+                and (dst.data_ptr() == src.data_ptr()
+                     or abs(dst.data_ptr() - src.data_ptr()) >= views[0].nbytes)):
             cpu.aux_add(views[0].ravel(), views[1].ravel())
             _mark_written(dst)
             return dst
@@ -479,6 +521,7 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     if src.shape != dst_d.shape:
         raise ValueError(f"src ({_describe(src)}) must have dst's shape {tuple(dst_d.shape)} "
                          f"(no broadcasting)")
+    _refuse_overlap("dst", dst_d, {"src": src}, exact_ok=True)
     form = _form(backend, dst_d.device)
     if form == "torch" or dst_d.numel() == 0:
         reference.aux_add_reference(dst_d, src)

@@ -123,8 +123,9 @@ def kernels(tpb: int = TPB) -> dict:
                     s += rows[e, tx]
                 elif rule == RAW:
                     s += rows[e, 2]
-                elif rule == INNOVATION or rows[e, 2] > 0.0:
-                    # matched: ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
+                elif rule == INNOVATION or rows[e, 2] != 0.0:
+                    # matched: ||M_e|| = ||N_e|| in real arithmetic; zero where raw is
+                    # zero (a NaN row is not zero: its NaN reaches the total)
                     s += rows[e, 3]
             tot[tx] = s
 

@@ -66,6 +66,31 @@ def check_mixed(shape, dtype, rule, seed=0):
     print("ok", name)
 
 
+def check_nan_matched(dtype):
+    """A NaN in one example's instruction reaches matched's ss_used, as in the reference
+    (the all-zero-row exclusion must not swallow it), and only that row is NaN."""
+    t = data((3, 10), dtype, seed=5)
+    t["I"][1, 4] = float("nan")
+    ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"],
+                                           "matched")
+    I, h = t["I"].numpy(), t["h"].numpy()
+    gC = (t["C"] * 0.7).numpy()
+    out = np.zeros((3, 10), dtype=dtype)
+    shapes = gpu.mixed_workspace_shapes(3, 10, TPB)
+    ws = {k: np.zeros(s) for k, s in shapes.items()}
+    ws["scales"] = np.zeros(3, dtype=dtype)
+    gpu.mixed_apical(I, h, gC, t["P"].numpy(), t["b"].numpy(), gpu.MATCHED, out, ws["part"],
+                     ws["rows"], ws["scales"], ws["tot"], tpb=TPB)
+    name = f"matched NaN row {dtype.__name__}"
+    if not (np.isnan(ws["tot"][4]) and np.isnan(float(ref.ss_used))):
+        sys.exit(f"FAIL {name}: ss_used {ws['tot'][4]} (reference {float(ref.ss_used)})")
+    if not np.array_equal(np.isnan(out), ref.used.isnan().numpy()):
+        sys.exit(f"FAIL {name}: NaN positions differ from the reference's")
+    keep = [0, 2]  # the clean rows
+    close(name + " clean rows", out[keep], ref.used.numpy()[keep], TOL[dtype])
+    print("ok", name)
+
+
 def check_local(shape, dtype, rule, norm, seed=6):
     """``mixed_local`` through the dispatcher's CUDA branch (simulator) against the reference."""
     import numba_kernels as nk
@@ -136,6 +161,8 @@ def main():
         check_add(37, dtype)
     # matched with an all-zero raw row: that example's signal is zero, not NaN
     check_zero_row()
+    for dtype in (np.float32, np.float64):
+        check_nan_matched(dtype)
     check_exact_predictor()
     check_dispatch_cuda_branch()
     # mixed_local, through the dispatcher's CUDA branch on 16-thread blocks: (B, C, H, W)

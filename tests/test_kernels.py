@@ -189,9 +189,10 @@ def test_short_cpu_path_declines_what_it_cannot_take():
     from numba_kernels import dispatch
 
     x = torch.ones(3, 4)
-    assert dispatch._cpu_views(x, None)[1] is None
+    assert dispatch._cpu_views(x, x)[1].shape == (3, 4)
     for bad in (x.t(), x.requires_grad_(True), torch.ones(3, 4, dtype=torch.int32),
-                torch.ones(3, 4, dtype=torch.float16), x.detach().numpy(), 2.0):
+                torch.ones(3, 4, dtype=torch.float16), x.detach().numpy(), 2.0, None,
+                torch._neg_view(torch.ones(3, 4))):
         assert dispatch._cpu_views(torch.ones(3, 4), bad) is None
     # declined inputs still run (through the checked path) or raise its errors
     p = population((4, 3, 5), torch.float64)
@@ -386,3 +387,72 @@ def test_predictor_update_names_each_bad_argument_and_bumps_both_versions():
     versions = P._version, b._version
     nk.predictor_update(h, h, P, b, 0.1)
     assert P._version > versions[0] and b._version > versions[1]
+
+
+@pytest.mark.parametrize("backend", ["auto", "numba"])
+@pytest.mark.parametrize("where", ["I", "h", "C"])
+def test_a_nan_reaches_every_total_as_in_the_reference(where, backend):
+    # Matched leaves all-zero raw rows out of ss_used; a NaN row is not zero and must
+    # show, or the logged RMS of the used signal reads finite while the signal is NaN.
+    p = population((6, 4, 5), torch.float32, seed=11)
+    p[where] = p[where].clone()
+    p[where].view(-1)[3] = float("nan")  # row 0 for I and h; every row for C
+    for rule in nk.RULES:
+        got = nk.mixed_apical(**p, rule=rule, backend=backend)
+        want = nk.mixed_apical(**p, rule=rule, backend="torch")
+        assert torch.equal(got.used.isnan(), want.used.isnan())
+        torch.testing.assert_close(got.used, want.used, equal_nan=True)
+        for k in SS:
+            assert bool(getattr(got, k).isnan()) == bool(getattr(want, k).isnan()), (rule, k)
+        assert bool(got.ss_used.isnan()) and bool(got.ss_raw.isnan())
+
+
+@pytest.mark.parametrize("backend", nk.BACKENDS)
+def test_aux_add_refuses_partial_overlap_and_allows_the_same_view(backend):
+    buf = torch.arange(10.0)
+    with pytest.raises(ValueError, match=r"^src \(shape \(9,\).*shares memory with dst "
+                                         r"\(shape \(9,\).*pass a copy \(src.clone\(\)\)"):
+        nk.aux_add(buf[1:], buf[:-1], backend=backend)
+    assert torch.equal(buf, torch.arange(10.0))  # refused before any write
+    nk.aux_add(buf, buf, backend=backend)  # element-wise: each read before its write
+    assert torch.equal(buf, 2 * torch.arange(10.0))
+    nk.aux_add(buf[5:], buf[:5], backend=backend)  # adjacent, not overlapping
+    assert torch.equal(buf[5:], torch.tensor([10.0, 14, 18, 22, 26]))
+
+
+@pytest.mark.parametrize("backend", nk.BACKENDS)
+def test_predictor_update_refuses_P_and_b_sharing_memory(backend):
+    h = torch.rand(4, 3, 5)
+    P = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=r"^b \(shape \(3, 5\).*shares memory with P"):
+        nk.predictor_update(h, 2 * h, P, P, 0.1, backend=backend)
+    both = torch.zeros(2, 3, 5)
+    with pytest.raises(ValueError, match=r"^T \(shape \(2, 3, 5\).*shares memory with P"):
+        nk.predictor_update(torch.rand(2, 3, 5), both, both[0], torch.zeros(3, 5), 0.1,
+                            backend=backend)
+    assert not both.any()
+
+
+@pytest.mark.parametrize("backend", nk.BACKENDS)
+def test_bad_scalars_and_non_tensors_are_named(backend):
+    p = population((4, 3, 5), torch.float32)
+    with pytest.raises(ValueError, match=r"^gain=1e\+39 overflows torch.float32 \(largest "
+                                         r"finite value 3.40282e\+38\)"):
+        nk.mixed_apical(**{**p, "gain": 1e39}, rule="raw", backend=backend)
+    p64 = population((4, 3, 5), torch.float64)  # the same gain is fine in float64
+    assert torch.isfinite(nk.mixed_apical(**{**p64, "gain": 1e39}, rule="raw").ss_raw)
+    for bad in ("2", True, None):
+        with pytest.raises(TypeError, match=rf"^gain must be a number .*got {bad!r} "
+                                            rf"\({type(bad).__name__}\)"):
+            nk.mixed_apical(**{**p, "gain": bad}, rule="raw", backend=backend)
+    o = torch.randn(4, 3, 5)
+    with pytest.raises(ValueError, match=r"^scale=-1e\+40 overflows torch.float32"):
+        nk.mixed_local(p["I"], p["h"], o, p["C"], 0.5, p["P"], p["b"], "raw", scale=-1e40,
+                       backend=backend)
+    with pytest.raises(TypeError, match=r"^I must be a torch.Tensor, got NoneType"):
+        nk.mixed_apical(**{**p, "I": None}, rule="raw", backend=backend)
+    with pytest.raises(TypeError, match=r"^dst must be a torch.Tensor, got NoneType"):
+        nk.aux_add(None, p["I"], backend=backend)
+    with pytest.raises(ValueError, match=r"^src \(shape \(4, 3, 5\).*lazily negated view "
+                                         r"\(negative bit set\); pass src.resolve_neg\(\)"):
+        nk.aux_add(p["I"].clone(), torch._neg_view(p["I"]), backend=backend)
