@@ -6,7 +6,8 @@ what each run must hold is declared in its own record (``expect``). Only
 ``<out>/<run_id>`` counts as a run of the protocol: runs the protocol does not
 expect, and old runs moved aside by ``--force`` (``<run_id>.old-<time>``, same
 run id), are left out, so an edited grid does not mix old runs into the
-analysis.
+analysis; a run whose config differs from its spec (the protocol was edited
+after the sweep) has status ``stale``, which the completeness check refuses.
 
 Grid keys may be dotted (``rule_params.traffic_rule``) and grid values may be
 dicts: :meth:`ProtocolRuns.table` flattens them into one column per leaf
@@ -22,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab import records
-from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol
+from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
 
 from .completeness import check_complete
 
@@ -106,6 +107,7 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     run_frames = [frame for frame in run_frames if len(frame)]
     runs = pd.concat(run_frames, ignore_index=True) if run_frames else \
         pd.DataFrame(columns=list(records.RUN_COLUMNS))
+    runs = mark_stale(runs, specs)  # an edited protocol's old runs are not its results
     metric_frames = [frame for frame in metric_frames if len(frame)]
     metrics = pd.concat(metric_frames, ignore_index=True) if metric_frames else \
         records.tidy_metrics({"run_id": "none"})

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from .config import ConfigError
+from .config import ConfigError, load_yaml
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,7 +47,7 @@ def parse_value(text: str):
         except ValueError:
             pass
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
 
@@ -65,7 +65,7 @@ def _read_parameter_file(path: str) -> dict:
         raise ParameterFileError(f"parameter file {path} cannot be read as text ({err}); give "
                                  "a YAML file of parameter: value lines") from None
     try:
-        loaded = yaml.safe_load(text)
+        loaded = load_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -86,7 +86,12 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
     params: dict = {}
     for path in files or []:
         params.update(_read_parameter_file(path))
+    given: dict = {}
     for key, value in pairs or []:
+        if key in given:  # the last one would win without a word
+            raise ConfigError(f"-p {key} is given twice ({given[key]!r} and {value!r}); give "
+                              "each parameter once")
+        given[key] = value
         params[key] = parse_value(value)
     return params
 
@@ -110,6 +115,25 @@ def _check_writable(out: Path) -> None:
         what = "the run directory" if existing == out else f"{existing}, where it would be made,"
         raise ConfigError(f"--out {out}: {what} is not writable; choose a directory you can "
                           "write to")
+
+
+def _interrupted(out) -> int:
+    # Ctrl-C: the record says "interrupted" and the last checkpoint is on disk.
+    print(f"\ninterrupted; run the same command again to resume {out} from its last "
+          "checkpoint", file=sys.stderr)
+    return 130
+
+
+def _workers(text: str) -> int:
+    """argparse type of --workers: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--workers {text!r}: give a whole number >= 1 "
+                                         "(local Dask worker processes)")
+    return value
 
 
 def _replace(force: bool) -> str:
@@ -143,6 +167,8 @@ def _train(args) -> int:
         if decision == "replace":
             print(f"the old run is kept in {move_aside(out)}")
         record = train_conv(config, out)
+    except KeyboardInterrupt:
+        return _interrupted(args.out)
     except RunLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -163,6 +189,8 @@ def _run(args) -> int:
         params = collect_params(args.param, args.file)
         _check_writable(Path(args.out))
         result = execute(args.notebook, args.out, params, replace=_replace(args.force))
+    except KeyboardInterrupt:
+        return _interrupted(args.out)
     except (RunConflict, ConfigError, NotebookError) as exc:
         return _error(exc)
     except RunLocked as exc:
@@ -186,7 +214,7 @@ def _run(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import ProtocolError, load_protocol, run_sweep
+    from .sweep import ProtocolError, SchedulerError, load_protocol, run_sweep
 
     try:
         protocol = load_protocol(args.protocol)
@@ -195,6 +223,8 @@ def _sweep(args) -> int:
     try:
         report = run_sweep(protocol, scheduler=args.scheduler, workers=args.workers,
                            progress=not args.quiet, force=args.force)
+    except SchedulerError as exc:
+        return _error(exc)
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
         print(f"\ninterrupted; run `lab sweep {args.protocol}` again to finish the remaining "
@@ -258,10 +288,11 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     target = Path(target)
     expected = None
     if target.suffix in (".yaml", ".yml"):
-        from .sweep import expand, load_protocol
+        from .sweep import expand, load_protocol, mark_stale
 
         protocol = load_protocol(target, configs=False)  # listing runs made, not making them
-        expected = [spec.run_id for spec in expand(protocol)]
+        specs = expand(protocol)
+        expected = [spec.run_id for spec in specs]
         root = Path(protocol.out)
     elif target.is_file() and target.name == records.RECORD_FILE:
         root = target.parent
@@ -279,6 +310,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
     runs, unreadable = _run_rows(dirs)
     if expected is not None:
+        runs = mark_stale(runs, specs)
         found = set(runs["run_id"]) | {d.name for d, _ in unreadable}
         missing = [rid for rid in expected if rid not in found]
         runs = pd.concat([runs, pd.DataFrame({"run_id": missing, "status": "missing",
@@ -373,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = sub.add_parser("sweep", help="execute a protocol's unfinished runs on Dask")
     sweep.add_argument("protocol", help="protocols/*.yaml")
     sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
-    sweep.add_argument("--workers", type=int, help="local workers (default: the protocol's)")
+    sweep.add_argument("--workers", type=_workers,
+                       help="local workers (default: the protocol's)")
     sweep.add_argument("--force", action="store_true",
                        help="replace runs finished with other parameters (moved aside)")
     sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

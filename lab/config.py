@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any
+
+import yaml
 
 # Fields that change what is shown, never what is computed: they are left out of a
 # run's identity (resume and sweep comparisons), so toggling a progress bar
@@ -81,9 +84,30 @@ def _type_name(annotation: Any) -> str:
 
 
 def _interval(lo, hi, lo_open, hi_open) -> str:
-    left = "(" if lo_open else "["
-    right = ")" if hi_open else "]"
+    # Values must be finite, so an open end is shown open: [0, inf), not [0, inf].
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi_open or hi is None else "]"
     return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-3`` is a float, not a string
+    (YAML 1.1, which PyYAML follows, wants ``1.0e-3``; researchers write ``1e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    """Parse a parameter or protocol file (YAML, with 1e-3 read as a float)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:

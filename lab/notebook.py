@@ -624,6 +624,10 @@ class RunConflict(ConfigError):
 REPLACE = ("never", "conflicting", "always")
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             ) -> tuple[str, runlock.RunState]:
     """What to do with ``out``: "execute" (fresh, or resume an interrupted or
@@ -638,7 +642,8 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
     else:
         diffs = config_differences(state.record["config"], resolved.config, resolved.full)
-        reason, problem = "stale", (f"a {state.status} run with other parameters "
+        status = f"{_article(state.status)} {state.status}"
+        reason, problem = "stale", (f"{status} run with other parameters "
                                     f"({'; '.join(diffs)})" if diffs else None)
     if problem:
         if replace == "never":

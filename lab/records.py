@@ -21,6 +21,9 @@ A run lives in its own directory::
     rows            {axis: number of rows committed}, axis "epoch" or "step"
     final           dict of final metrics
     work            dict, the compute bill (may be empty)
+    data            optional dict: what identifies the data the run read (absolute
+                    paths, sizes and sha256 of data files, split sizes), declared by
+                    the trainer; a resume on other data is refused (lab.lifecycle)
     error           str or null (why a run failed or diverged)
     created         ISO-8601 str, kept when a run is saved again
     updated         ISO-8601 str, refreshed by every save
@@ -58,6 +61,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import tempfile
@@ -77,6 +81,8 @@ AXES = ("epoch", "step")
 TIMING_SUFFIX = "wall_s"
 
 RECORD_FILE = "record.json"
+# The name ``lab.runlock.move_aside`` gives a run that --force replaced: <run>.old-<UTC time>.
+MOVED_ASIDE = re.compile(r"\.old-\d{8}T\d{6}Z(-\d+)?$")
 METRICS_FILE = "metrics.parquet"  # version 1 only: the tidy table derived from the record
 ROWS_DIR = "rows"
 PART_SUFFIX = ".jsonl"
@@ -439,8 +445,10 @@ def validate_record(record: dict, path="<memory>") -> dict:
     if not isinstance(record, dict):
         _fail(path, "<root>", _describe(record), "a JSON object (dict) holding one run record")
     _check_fields(record, path)
-    for section in ("config", "environment"):
-        for key, value in record[section].items():
+    if "data" in record and not isinstance(record["data"], dict):
+        _fail(path, "data", _describe(record["data"]), "a dict (what identifies the data)")
+    for section in ("config", "environment", "data"):
+        for key, value in record.get(section, {}).items():
             _check_json(value, path, f"{section}.{key}")
     for axis, key in ROW_KEYS.items():
         if key in record:
@@ -718,12 +726,18 @@ def tidy_metrics(record) -> pd.DataFrame:
     return _tidy_frame(rows)
 
 
-def _record_paths(root) -> list[Path]:
+def _record_paths(root, include_old: bool = False) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         what = "a file, not a directory" if root.exists() else "no such directory"
         raise FileNotFoundError(f"{root}: {what}; give a directory of runs")
-    return sorted(root.glob(f"**/{RECORD_FILE}"))
+    paths = sorted(root.glob(f"**/{RECORD_FILE}"))
+    if include_old:
+        return paths
+    # A run moved aside by --force (<run>.old-<time>) keeps its run_id: counted with
+    # the run that replaced it, a groupby on run_id would average two different runs.
+    return [p for p in paths if not any(MOVED_ASIDE.search(part)
+                                        for part in p.relative_to(root).parts[:-1])]
 
 
 def _raise_collected(problems: list[tuple[Path, str]], what: str) -> None:
@@ -737,7 +751,8 @@ def _raise_collected(problems: list[tuple[Path, str]], what: str) -> None:
     )
 
 
-def _config_columns(config: dict) -> dict:
+def config_columns(config: dict) -> dict:
+    """A config as load_runs' ``config.*`` columns (nested dicts joined with "/")."""
     columns = {}
     for key, value in config.items():
         if isinstance(value, dict):
@@ -770,13 +785,16 @@ def _run_row(record: dict, path: Path) -> dict:
         "error": record["error"],
         "expect": record["expect"],
     }
-    row.update(_config_columns(record["config"]))
+    row.update(config_columns(record["config"]))
     row.update({f"final.{name}": leaf for name, leaf in _numeric_leaves(record["final"])})
     return row
 
 
-def load_runs(root) -> pd.DataFrame:
+def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     """One row per run under ``root``: base columns, then config.* and final.* columns.
+
+    Runs moved aside by ``--force`` (``<run>.old-<time>``, same run_id as the run
+    that replaced them) are left out unless ``include_old`` (or ``root`` is one).
 
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
@@ -785,7 +803,7 @@ def load_runs(root) -> pd.DataFrame:
     record raises one RecordError listing every bad path.
     """
     rows, problems = [], []
-    for path in _record_paths(root):
+    for path in _record_paths(root, include_old):
         try:
             rows.append(_run_row(load_record(path, rows=False), path))
         except RecordError as err:
@@ -839,10 +857,11 @@ def run_metrics(record_path) -> pd.DataFrame:
     return tidy_metrics(record)
 
 
-def load_metrics(root) -> pd.DataFrame:
-    """All runs' tidy metrics under ``root`` (row stores, or version 1 records)."""
+def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
+    """All runs' tidy metrics under ``root`` (row stores, or version 1 records); runs
+    moved aside by ``--force`` are left out unless ``include_old`` (see load_runs)."""
     frames, problems = [], []
-    for path in _record_paths(root):
+    for path in _record_paths(root, include_old):
         try:
             frames.append(run_metrics(path))
         except RecordError as err:

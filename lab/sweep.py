@@ -66,7 +66,7 @@ from typing import Any
 import yaml
 
 from . import records
-from .config import ConfigError, bounded, field_names, validate
+from .config import ConfigError, bounded, field_names, load_yaml, validate
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
@@ -75,6 +75,10 @@ _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (
 
 class ProtocolError(ConfigError):
     """A protocol file that cannot be run: unreadable, malformed or inconsistent."""
+
+
+class SchedulerError(RuntimeError):
+    """The Dask scheduler given to a sweep cannot be reached."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ def _read_yaml(path: Path) -> dict:
         raise ProtocolError(f"protocol {path} cannot be read ({err}); expected a YAML "
                             "text file") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
@@ -279,6 +283,59 @@ def _slug(value: Any) -> str:
 def run_id_for(grid_point: dict) -> str:
     """``key-value`` pairs in sorted key order, joined by ``_``: stable and readable."""
     return "_".join(f"{key}-{_slug(grid_point[key])}" for key in sorted(grid_point))
+
+
+def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
+    """run_id -> ``"key: <run's> there vs <protocol's> in the protocol"`` for each of the
+    spec's parameters a finished run of it holds otherwise; runs without differences
+    are left out.
+
+    ``runs`` is ``records.load_runs``' table (its ``config.*`` columns). This is the
+    torch-free check behind ``stale`` in ``lab runs PROTOCOL`` and the analysis: an
+    edited protocol must not pass off the runs of its old version as its own. (A sweep
+    checks more: the whole resolved config, defaults included.)
+    """
+    from .config import DISPLAY_ONLY
+
+    nested: dict = {}
+    for key, value in spec.params.items():
+        if key in DISPLAY_ONLY:
+            continue
+        *path, leaf = key.split(".")
+        target = nested
+        for part in path:
+            target = target.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(target.get(leaf), dict):
+            target[leaf].update(value)
+        else:
+            target[leaf] = value
+    wanted = records.config_columns(nested)
+    out = {}
+    for row in runs[runs["run_id"] == spec.run_id].to_dict("records"):
+        diffs = []
+        for column, value in sorted(wanted.items()):
+            there = row.get(column, "(absent)")
+            if isinstance(there, float) and there != there:  # configs hold no NaN: absent
+                there = "(absent)"
+            if there != value:
+                diffs.append(f"{column.removeprefix('config.')}: {there!r} there vs "
+                             f"{value!r} in the protocol")
+        if diffs:
+            out[row["run_id"]] = diffs
+    return out
+
+
+def mark_stale(runs, specs: list[RunSpec]):
+    """``runs`` (load_runs' table) with status ``stale`` and the differences as ``error``
+    for every finished run whose config differs from its spec (see spec_differences)."""
+    runs = runs.copy()
+    for spec in specs:
+        for run_id, diffs in spec_differences(spec, runs).items():
+            at = runs["run_id"] == run_id
+            runs.loc[at, "status"] = "stale"
+            runs.loc[at, "error"] = ("its config differs from the protocol's (" + "; ".join(diffs)
+                                     + "): rerun with `lab sweep --force`")
+    return runs
 
 
 def expand(protocol: Protocol) -> list[RunSpec]:
@@ -426,7 +483,13 @@ def _client(scheduler: str | None, workers: int):
     from distributed import Client, LocalCluster
 
     if scheduler:
-        with Client(scheduler) as client:
+        try:
+            client = Client(scheduler, timeout="20s")
+        except (OSError, ValueError, TimeoutError) as err:
+            raise SchedulerError(f"cannot reach the Dask scheduler {scheduler!r} ({err}); give "
+                                 "its address as tcp://host:port, or leave --scheduler out for "
+                                 "a local cluster") from None
+        with client:
             yield client
         return
     # One single-threaded worker process per concurrent run: each runs one
@@ -494,6 +557,10 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
 
     start = time.perf_counter()
     nb = notebook_spec(protocol.notebook)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers < 1):
+        raise ProtocolError(f"workers={workers!r}: give a whole number >= 1 (local Dask worker "
+                            "processes), or None for the protocol's")
     workers = workers or protocol.workers
     env = kernel_env()  # before a LocalCluster's nannies edit os.environ
     with contextlib.ExitStack() as stack:

@@ -311,3 +311,26 @@ def test_curves_follow_the_step_axis(tmp_path):
                         fields=(("loss",),))
     assert single.get_axes()[0].get_xlabel() == "step"
     assert list(single.get_axes()[0].lines[0].get_ydata()) == [2.0, 1.0]
+
+
+def test_runs_of_an_edited_protocol_are_stale_not_results(fixture_copy, capsys):
+    # The protocol was edited after its sweep: its old runs must not pass the
+    # completeness check, the runs table or a report as the edited protocol's results.
+    path = fixture_copy / "protocol.yaml"
+    path.write_text(path.read_text().replace("epochs: 4", "epochs: 5").replace(
+        "width: 8", "width: 16"))
+    data = load_protocol_runs(path)
+    assert list(data.table()["status"]) == ["stale"] * 4
+    with pytest.raises(IncompleteProtocolError) as err:
+        data.check_complete(TRAJECTORY, FINAL)
+    assert len(err.value.problems) == 4
+    assert ("lr-0.05_rule-bp_seed-0: status 'stale', not 'complete': its config differs from "
+            "the protocol's (epochs: 4 there vs 5 in the protocol; width: 8 there vs 16 in the "
+            "protocol): rerun with `lab sweep --force`") in err.value.problems
+    assert cli_main(["runs", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stale") == 4 and "complete" not in out
+    # A grid value the runs were made with, written otherwise (0.20 for 0.2): not stale.
+    path.write_text((FIXTURE / "protocol.yaml").read_text().replace(
+        "../../../notebooks", str(ROOT / "notebooks")).replace("0.2]", "0.20]"))
+    load_protocol_runs(path).check_complete(TRAJECTORY, FINAL)

@@ -101,7 +101,7 @@ def test_out_below_a_file(tmp_path, capsys, no_kernel):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("epochs", "-3", "ConvConfig.epochs=-3 is out of range; allowed: [1, inf]"),
+    ("epochs", "-3", "ConvConfig.epochs=-3 is out of range; allowed: [1, inf)"),
     ("rule", "nosuch", "ConvConfig.rule='nosuch' is unknown; known rules: "),
     ("lr", "abc", "ConvConfig.lr must be float, got 'abc' (str)"),
     ("lr", "[fast", "ConvConfig.lr must be float, got '[fast' (str)"),
@@ -153,7 +153,9 @@ def test_train_refuses_other_parameters(tiny, tmp_path, capsys):
     before = _files(tmp_path / "T")
     assert cli_main(args) == 0
     assert "already complete with these parameters; nothing to do" in capsys.readouterr().out
-    assert cli_main([*args, "-p", "epochs", "2"]) == 2
+    other = ["train", "--out", str(tmp_path / "T")]
+    other += [a for k, v in {**tiny, "epochs": 2}.items() for a in ("-p", k, str(v))]
+    assert cli_main(other) == 2
     assert "(epochs: 1 there vs 2 now)" in _one_paragraph(capsys.readouterr().err)
     assert _files(tmp_path / "T") == before
 
@@ -273,3 +275,74 @@ def test_the_kernel_dies_with_lab_run(tmp_path):
     assert late > 5 and span > 0.2, (late, span)
     assert _kill_lab_run(tmp_path, launcher=True) == (0, 0.0)
     assert runlock.holder(tmp_path / "bound") is None
+
+
+# ---------------------------------------------------------------------------
+# a new user's trial: what the CLI must refuse or say in one line
+
+
+def test_a_parameter_given_twice_is_refused(tmp_path, capsys, no_kernel):
+    assert cli_main(["run", str(TRAIN), "--out", str(tmp_path / "r"), "-p", "epochs", "1",
+                     "-p", "epochs", "2"]) == 2
+    assert "-p epochs is given twice ('1' and '2'); give each parameter once" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_yaml_files_read_1e_minus_3_as_a_float(tmp_path):
+    from lab.cli import collect_params
+    from lab.config import load_yaml
+
+    path = tmp_path / "p.yaml"
+    path.write_text("lr: 1e-3\nweight_decay: 5E-4\nlist: [1e-3, 2.5e+2, 1_000]\nname: x1e3\n")
+    assert collect_params(None, [str(path)]) == {"lr": 0.001, "weight_decay": 0.0005,
+                                                 "list": [0.001, 250.0, 1000], "name": "x1e3"}
+    assert load_yaml("a: 1e3") == {"a": 1000.0} and isinstance(load_yaml("a: 1e3")["a"], float)
+    import yaml  # PyYAML's own safe loader is left as it is
+    assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}
+
+
+@pytest.mark.parametrize("workers", ["-2", "0", "two"])
+def test_sweep_workers_must_be_positive(workers, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["sweep", str(ROOT / "protocols" / "demo.yaml"), "--workers", workers])
+    assert exit_.value.code == 2
+    assert f"--workers {workers!r}: give a whole number >= 1" in capsys.readouterr().err
+
+
+def test_an_unreachable_scheduler_is_one_line(capsys):
+    assert cli_main(["sweep", str(ROOT / "protocols" / "demo.yaml"), "--scheduler",
+                     "bogus", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot reach the Dask scheduler 'bogus' (" in err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab.notebook, "execute", interrupted)
+    out = tmp_path / "r"
+    assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (f"interrupted; run the same command again to resume {out} from its "
+                           "last checkpoint")
+    monkeypatch.setattr("lab.train.train_conv", interrupted)
+    assert cli_main(["train", "--out", str(out), "-p", "epochs", "1"]) == 130
+    assert "interrupted; run the same command again" in capsys.readouterr().err
+
+
+def test_runs_moved_aside_are_left_out_of_load_runs_and_load_metrics(tmp_path):
+    for name, loss in (("r", 1.0), ("r.old-20261130T170000Z", 2.0)):
+        record = records.new_record(run_id="r", kind="notebook", config={"x": loss})
+        record["final"] = {"loss": loss}
+        record["status"] = "complete"
+        records.save_run(tmp_path / name, record)
+    assert list(records.load_runs(tmp_path)["final.loss"]) == [1.0]
+    assert list(records.load_metrics(tmp_path)["value"]) == [1.0]
+    assert sorted(records.load_runs(tmp_path, include_old=True)["final.loss"]) == [1.0, 2.0]
+    assert sorted(records.load_metrics(tmp_path, include_old=True)["value"]) == [1.0, 2.0]
+    # Asked for by its own path, an old run loads.
+    old = tmp_path / "r.old-20261130T170000Z"
+    assert list(records.load_runs(old)["final.loss"]) == [2.0]

@@ -230,7 +230,7 @@ def test_parameters_are_built_into_the_config_class(tmp_path, no_kernel):
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"epochs": -3}, r"ConvConfig.epochs=-3 is out of range; allowed: \[1, inf\]"),
+    ({"epochs": -3}, r"ConvConfig.epochs=-3 is out of range; allowed: \[1, inf\)"),
     ({"rule": "nosuch"}, r"ConvConfig.rule='nosuch' is unknown; known rules: bp, "),
     ({"lr": "abc"}, r"ConvConfig.lr must be float, got 'abc' \(str\)"),
     ({"lr.x": 1}, r"lr.x=1 sets a key inside lr, but lr is 0.1 \(float\), not a dict"),
@@ -356,7 +356,8 @@ def test_training_notebook_with_injected_small_parameters(tiny, tmp_path, capsys
     # toggling the display-only progress flag is the same run.
     before = _files(tmp_path / "bp-s1")
     args = ["run", str(TRAIN), "--out", str(tmp_path / "bp-s1")]
-    args += [a for k, v in params.items() for a in ("-p", k, str(v)) if k != "epochs"]
+    args += [a for k, v in params.items() for a in ("-p", k, str(v))
+             if k not in ("epochs", "progress")]
     assert cli_main([*args, "-p", "epochs", "3"]) == 2
     err = capsys.readouterr().err
     assert "already holds a complete run with other parameters (epochs: 2 there vs 3 now)" \
