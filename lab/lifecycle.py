@@ -14,7 +14,11 @@ or ``torch.Generator`` s. The lifecycle then
   row store of ``lab.records`` (a save costs in proportion to the rows added
   since the last one; the checkpoint carries no copy of them);
 - applies one divergence policy (:class:`Divergence`);
-- writes the final status, metrics and work bill.
+- records what identifies the run's data (``data``, declared by the trainer:
+  file paths, sizes and hashes, split sizes) and refuses a resume whose data
+  differs, as it refuses one whose config differs;
+- writes the final status, metrics and work bill, with the training wall time
+  (``work["train_wall_s"]``) summed over every session of the run.
 
 It imports nothing from any trainer. The record stores the trainer's
 declaration of what a complete run holds (:class:`Expectation`), so the
@@ -28,9 +32,11 @@ two leaves parts beyond the counts, which readers ignore and a resume removes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +158,9 @@ class Lifecycle:
     divergence: Divergence = field(default_factory=Divergence)
     progress: bool = True
     desc: str = ""
+    # What identifies the run's data (a JSON dict, declared by the trainer): stored in the
+    # record as ``data`` and in every checkpoint; a resume on other data is refused.
+    data: dict | None = None
 
     def __post_init__(self):
         self.out = Path(self.out_dir).resolve() if self.out_dir is not None else None
@@ -168,20 +177,30 @@ class Lifecycle:
             run_id=self.run_id or (self.out.name if self.out else "in-memory"), kind=self.kind,
             config=self.config_dict, device=self.device)
         self.record["expect"] = self.expect.as_dict()
+        if self.data is not None:
+            self.record["data"] = copy.deepcopy(self.data)
+        # Training wall time: earlier sessions' share (from the checkpoint) plus this
+        # session's, up to its last row. Rows redone after a kill count once, so a resumed
+        # run reports about what an uninterrupted one would.
+        self._wall_before = self._wall = 0.0
+        self._session_start = time.perf_counter()
 
     # -- start and resume ---------------------------------------------------
 
     def start(self) -> int:
         """Lock, resume if possible, write the ``running`` record; rows already done."""
+        self._session_start = time.perf_counter()
         if self.out is None:
             return 0
         self._lock.enter_context(runlock.hold(self.out))
         self._held = True
         try:
-            return self._resume()
+            done = self._resume()
         except BaseException:
             self.close()
             raise
+        self._session_start = time.perf_counter()  # reading the checkpoint is not training
+        return done
 
     def _resume(self) -> int:
         # Temp files of writes a kill cut short; we hold the lock, so nobody is writing them.
@@ -194,12 +213,15 @@ class Lifecycle:
             for name, part in self.parts.items():
                 _load(part, state["parts"][name])
             done, self._baseline = state["rows"], state["baseline"]
+            # Checkpoints written before the wall time was carried hold none: 0 there.
+            self._wall_before = self._wall = float(state.get("wall_s", 0.0))
             self.status, self.error = state["status"], state["error"]
             records.truncate_rows(self.out, self.axis, done)
             self.rows_logged = records.read_rows(self.out, self.axis, done)
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json")
+                self._refuse_other_data(old.get("data"), "record.json")
                 self.finished, self.record = True, old
                 self.rows_logged = old.pop(records.ROW_KEYS[self.axis], [])
                 self.close()
@@ -239,6 +261,20 @@ class Lifecycle:
                 f"{self.out / what} belongs to a run with a different config ({detail}); "
                 "use another output directory, or move this one aside to start afresh")
 
+    def _refuse_other_data(self, saved: dict | None, what: str) -> None:
+        # A run (or checkpoint) from before data was declared holds none: nothing to compare.
+        if saved is None or self.data is None:
+            return
+        then, now = dict(_leaves("", saved)), dict(_leaves("", self.data))
+        differ = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+        if differ:
+            detail = "; ".join(f"{k}: {then.get(k)!r} there vs {now.get(k)!r} now"
+                               for k in differ)
+            raise CheckpointError(
+                f"{self.out / what} belongs to a run trained on other data ({detail}); resuming "
+                "would mix two datasets in one run. Restore the data the run began with, or "
+                "use another output directory (or move this one aside) to start afresh")
+
     def _read_checkpoint(self, path: Path) -> dict:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -253,6 +289,7 @@ class Lifecycle:
                 f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
         if "identity" in state:
             self._refuse_different(state["identity"], CHECKPOINT)
+        self._refuse_other_data(state.get("data"), CHECKPOINT)
         missing = sorted(set(self.parts) - set(state.get("parts", {})))
         if missing or "identity" not in state:
             raise CheckpointError(
@@ -280,6 +317,7 @@ class Lifecycle:
         records.check_row(row, self.axis, f"{records.ROW_KEYS[self.axis]}[{position}]")
         self.rows_logged.append(row)
         self.pending.append(row)
+        self._wall = self._wall_before + (time.perf_counter() - self._session_start)
         if self._baseline is None and isinstance(row.get(self.divergence.loss_key), float):
             if math.isfinite(row[self.divergence.loss_key]):
                 self._baseline = row[self.divergence.loss_key]
@@ -306,7 +344,7 @@ class Lifecycle:
         if checkpoint:
             state = {"format": CHECKPOINT_FORMAT, "identity": identity(self.config_dict),
                      "rows": done, "baseline": self._baseline, "status": self.status,
-                     "error": self.error,
+                     "error": self.error, "data": self.data, "wall_s": self._wall,
                      "parts": {name: _state(part) for name, part in self.parts.items()}}
             records.atomic_write(self.out / CHECKPOINT, lambda tmp: _save_synced(state, tmp))
         self.record["rows"] = {**self.record["rows"], self.axis: done}
@@ -323,7 +361,8 @@ class Lifecycle:
                 {k: v for k, v in final.items() if k != self.divergence.loss_key}, None,
                 "the final evaluation")
             self.status, self.error = ("diverged", why) if why else ("complete", None)
-        self.record.update(final=final, work=dict(work or {}))
+        # The lifecycle owns the wall time (every trainer's the same way, across sessions).
+        self.record.update(final=final, work={**(work or {}), "train_wall_s": self._wall})
         records.validate_record(self.record)
         try:
             self._save(checkpoint=True)
@@ -359,6 +398,15 @@ class Lifecycle:
                 and not isinstance(exc, KeyboardInterrupt):
             self.fail(f"{type(exc).__name__}: {exc}")
         self.close()
+
+
+def _leaves(prefix: str, value):
+    """(dotted name, leaf) pairs of a nested dict, for naming what differs."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(f"{prefix}.{key}" if prefix else str(key), item)
+    else:
+        yield prefix, value
 
 
 def _save_synced(state: dict, tmp: Path) -> None:

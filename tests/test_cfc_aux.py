@@ -269,12 +269,14 @@ def test_health_emas_start_as_averages_then_decay():
 # --- Oracles that pin exact numbers, wiring and the record (issue 15, mutation testing) ----------
 
 
-def test_csv_source_needs_both_the_file_and_the_column():
+def test_csv_source_needs_both_the_file_and_the_column(tmp_path):
     for kw in (dict(csv_path="p.csv"), dict(column="close"), {}):
         with pytest.raises(ConfigError, match=r"^CfCAuxConfig\.source='csv' needs csv_path "
                                               r"\(the file\) and column \(the price column\)"):
             CfCAuxConfig(source="csv", **kw)
-    assert CfCAuxConfig(source="csv", csv_path="p.csv", column="close").column == "close"
+    (tmp_path / "p.csv").write_text("close\n1\n")
+    assert CfCAuxConfig(source="csv", csv_path=str(tmp_path / "p.csv"),
+                        column="close").column == "close"
 
 
 def test_load_prices_passes_every_source_setting(tmp_path):
@@ -641,3 +643,99 @@ def test_health_emas_equal_the_running_rule_update_by_update():
         if n == 5:  # after 5 updates (rate 1/n each) the EMA is the plain mean
             mean = [sum(v[i] for v in values[:5]) / 5 for i in range(2)]
             assert health.huber == pytest.approx(mean, rel=1e-12)
+
+
+# --- trial-epcfc findings: data identity, the split, seeds, wall time over sessions ----------
+
+
+def _csv(path, seed: int, n: int = 300) -> None:
+    prices = synthetic_prices("random_walk", length=n, drift=0.0005, volatility=0.02, seed=seed)
+    path.write_text("close\n" + "\n".join(f"{p:.6f}" for p in prices) + "\n")
+
+
+def test_relative_csv_path_is_made_absolute_and_a_missing_one_refused(tmp_path, monkeypatch):
+    _csv(tmp_path / "p.csv", 0)
+    monkeypatch.chdir(tmp_path)
+    config = CfCAuxConfig(source="csv", csv_path="p.csv", column="close")
+    assert config.csv_path == str(tmp_path / "p.csv")
+    with pytest.raises(ConfigError) as err:
+        CfCAuxConfig(source="csv", csv_path="gone.csv", column="close")
+    assert str(err.value) == (f"CfCAuxConfig.csv_path={str(tmp_path / 'gone.csv')!r} does not "
+                              "exist or is not a file; expected a CSV file with a header row "
+                              "naming column='close'")
+
+
+def test_resume_on_a_changed_csv_is_refused_and_the_record_names_the_data(tmp_path,
+                                                                         monkeypatch):
+    import hashlib
+
+    from lab.lifecycle import CheckpointError
+
+    path = tmp_path / "p.csv"
+    _csv(path, 0)
+    config = _config(source="csv", csv_path=str(path), column="close", steps=12,
+                     checkpoint_every=5, eval_every=0)
+    _interrupt_at(monkeypatch, 8)
+    with pytest.raises(KeyboardInterrupt):
+        train_cfc_aux(config, tmp_path / "run")
+    monkeypatch.undo()
+    raw = path.read_bytes()
+    data = records.load_record(tmp_path / "run")["data"]
+    loader = build_run(config).data
+    assert data == {"csv": {"path": str(path), "size": len(raw),
+                            "sha256": hashlib.sha256(raw).hexdigest()},
+                    "split": {"n_train": len(loader.train_ends), "n_val": len(loader.val_ends),
+                              "val_fraction": len(loader.val_ends) / (
+                                  len(loader.train_ends) + len(loader.val_ends))}}
+    # One digit of the last price changed: same size, other content.
+    changed = raw[:-2] + (b"1" if raw[-2:-1] != b"1" else b"2") + raw[-1:]
+    path.write_bytes(changed)
+    with pytest.raises(CheckpointError, match=r"belongs to a run trained on other data "
+                                              r"\(csv\.sha256: '[0-9a-f]{64}' there vs "
+                                              r"'[0-9a-f]{64}' now\); resuming would mix"):
+        train_cfc_aux(config, tmp_path / "run")
+    path.write_bytes(raw)
+    assert train_cfc_aux(config, tmp_path / "run")["status"] == "complete"
+
+
+def test_record_holds_the_split_the_loader_made():
+    with pytest.warns(UserWarning, match=r"val_fraction=0.2 cannot be honoured"):
+        record = train_cfc_aux(CfCAuxConfig(source="vega", symbol="GOOG", steps=2,
+                                            eval_every=0, progress=False, threads=1,
+                                            device="cpu"))
+    # GOOG's 68 months at the default window, seq_len and horizons: the clamp gives 2 / 4.
+    assert record["data"] == {"split": {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}}
+
+
+def test_seed_is_bounded_by_what_torch_accepts():
+    from lab.config import SEED_MAX
+
+    assert _config(seed=SEED_MAX).seed == 2**63 - 1
+    with pytest.raises(ConfigError) as err:
+        _config(seed=2**64)
+    assert str(err.value) == ("CfCAuxConfig.seed=18446744073709551616 is out of range; "
+                              "allowed: [0, 9223372036854775807]")
+
+
+def test_train_wall_time_covers_every_session(tmp_path, monkeypatch):
+    """After a resume, train_wall_s is the whole run's (beside whole-run step counts)."""
+    config = _config(steps=6, checkpoint_every=2, eval_every=0)
+    real = cfc_aux.train_step
+
+    def slow(run, step):
+        time.sleep(0.1)
+        return real(run, step)
+
+    def interrupted(run, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return slow(run, step)
+
+    monkeypatch.setattr(cfc_aux, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_cfc_aux(config, tmp_path / "run")
+    monkeypatch.setattr(cfc_aux, "train_step", slow)
+    record = train_cfc_aux(config, tmp_path / "run")
+    assert record["work"]["optimizer_steps"] == 6
+    # Six rows of >= 0.1 s; the last session alone ran two (about 0.2 s).
+    assert 0.6 <= record["work"]["train_wall_s"] < 60

@@ -217,9 +217,10 @@ def test_governor_policy_floors_and_recovery():
 
 
 def test_beta_schedules():
-    constant = EPConfig(beta=0.2, steps=11)
+    constant = EPConfig(beta=0.2, steps=11, warmup_steps=0)
     assert [scheduled_beta(constant, s) for s in (0, 5, 10)] == [0.2, 0.2, 0.2]
-    cosine = EPConfig(beta=0.2, beta_final=0.02, beta_schedule="cosine", steps=11)
+    cosine = EPConfig(beta=0.2, beta_final=0.02, beta_schedule="cosine", steps=11,
+                      warmup_steps=0)
     assert scheduled_beta(cosine, 0) == pytest.approx(0.2)
     assert scheduled_beta(cosine, 5) == pytest.approx(0.11)
     assert scheduled_beta(cosine, 10) == pytest.approx(0.02)
@@ -230,10 +231,10 @@ def test_beta_schedules():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(beta=0.0), r"EPConfig.beta=0.0 is out of range; allowed: \(0.0, inf\]"),
-    (dict(beta=-0.1), r"EPConfig.beta=-0.1 is out of range; allowed: \(0.0, inf\]"),
-    (dict(K=0), r"EPConfig.K=0 is out of range; allowed: \[1, inf\]"),
-    (dict(n_layers=0), r"EPConfig.n_layers=0 is out of range; allowed: \[1, inf\]"),
+    (dict(beta=0.0), r"EPConfig.beta=0.0 is out of range; allowed: \(0.0, inf\)"),
+    (dict(beta=-0.1), r"EPConfig.beta=-0.1 is out of range; allowed: \(0.0, inf\)"),
+    (dict(K=0), r"EPConfig.K=0 is out of range; allowed: \[1, inf\)"),
+    (dict(n_layers=0), r"EPConfig.n_layers=0 is out of range; allowed: \[1, inf\)"),
     (dict(d_model=30, n_heads=4), r"EPConfig.d_model=30 is not divisible by n_heads=4"),
     (dict(optimizer="lbfgs"), r"EPConfig.optimizer='lbfgs' is not allowed; choose one of: "
                               r"'adamw', 'adam', 'sgd'"),
@@ -355,7 +356,7 @@ def test_ep_tracks_backprop_on_the_corpus():
 
 
 def record_vocab(config: EPConfig) -> int:
-    return build_ep(dataclasses.replace(config, steps=1)).corpus.vocab_size
+    return build_ep(dataclasses.replace(config, steps=1, warmup_steps=0)).corpus.vocab_size
 
 
 def test_notebook_declares_every_config_field_at_smoke_size():
@@ -368,11 +369,12 @@ def test_notebook_declares_every_config_field_at_smoke_size():
     assert list(declared_parameters(notebook)) == field_names(EPConfig) + ["out_dir"]
     defaults, config = notebook_defaults(notebook), EPConfig()
     smoke = {"seq_len", "d_model", "n_layers", "n_heads", "steps", "batch_size", "eval_every",
-             "eval_batches", "cosine_every", "checkpoint_every", "progress"}
+             "eval_batches", "cosine_every", "checkpoint_every", "progress", "warmup_steps"}
     for name in field_names(EPConfig):
         if name not in smoke:
             assert defaults[name] == getattr(config, name), name
     assert defaults["steps"] <= 50 and defaults["progress"] is False and defaults["out_dir"] == "."
+    assert defaults["warmup_steps"] <= defaults["steps"]  # else EPConfig refuses the defaults
 
 
 # ---------------------------------------------------------------------------
@@ -490,7 +492,8 @@ def test_governor_trace_and_state():
 
 
 def test_cosine_beta_schedule_with_two_steps():
-    config = EPConfig(beta=0.2, beta_final=0.05, beta_schedule="cosine", steps=2)
+    config = EPConfig(beta=0.2, beta_final=0.05, beta_schedule="cosine", steps=2,
+                      warmup_steps=0)
     assert [scheduled_beta(config, s) for s in (0, 1)] == pytest.approx([0.2, 0.05], rel=1e-12)
     assert scheduled_beta(dataclasses.replace(config, steps=1), 0) == 0.2
 
@@ -673,8 +676,12 @@ def test_trainer_record_names_baseline_progress_and_bill(tmp_path, capsys):
     saved = torch.load(tmp_path / "dir" / "checkpoint.pt", weights_only=True)
     assert saved["baseline"] == pytest.approx(ep_module.evaluate(run.model, probe, 4), rel=1e-12)
     bill = work_per_step(config, run.model, config.K)
-    assert record["work"] == {**bill, "steps": 3, "ep_macs_total": 3 * bill["ep"]["macs"],
-                              "bp_macs_total": 3 * bill["bp"]["macs"]}
+    wall = record["work"].pop("train_wall_s")  # the lifecycle's, whole run
+    assert 0 < wall < 60
+    assert record["work"] == {**bill, "steps": 3, "steps_at_K": {"2": 3},
+                              "ep_macs_total": 3 * bill["ep"]["macs"],
+                              "bp_macs_total": 3 * bill["bp"]["macs"],
+                              "cosine_ep_macs_total": 0}
     quiet = train_ep(dataclasses.replace(config, progress=False))
     assert quiet["run_id"] == "in-memory" and capsys.readouterr().err == ""
 
@@ -695,3 +702,206 @@ def test_checkpoints_follow_checkpoint_every(tmp_path, monkeypatch):
     assert saved["rows"] == 2  # checkpoints at 2 rows (not every row, not only at the end)
     assert set(saved["parts"]) == {"model", "optimizer", "scheduler", "twin", "twin_optimizer",
                                    "twin_scheduler", "governor", "generator"}
+
+
+# ---------------------------------------------------------------------------
+# trial-epcfc findings: data identity, the bill at the K that ran, seeds, beta, schedules
+
+EP_NOTEBOOK = __import__("pathlib").Path(__file__).resolve().parents[1] / "notebooks" / \
+    "02-train-ep-transformer.ipynb"
+
+
+def _corpus(path, seed: int, words=("alpha", "beta", "gamma", "delta", "eps")) -> None:
+    import random
+
+    rng = random.Random(seed)
+    path.write_text(" ".join(rng.choice(words) for _ in range(800)), encoding="utf-8")
+
+
+def test_relative_text_path_is_made_absolute_and_a_missing_one_refused(tmp_path, monkeypatch):
+    _corpus(tmp_path / "small.txt", 0)
+    monkeypatch.chdir(tmp_path)
+    assert _tiny(text_path="small.txt").text_path == str(tmp_path / "small.txt")
+    assert _tiny(text_path="").text_path == ""  # the bundled corpus
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(ConfigError) as err:
+        _tiny(text_path="nope.txt")
+    assert str(err.value) == (f"EPConfig.text_path={missing!r} does not exist or is not a file; "
+                              "expected a UTF-8 text file, or '' for the bundled corpus")
+
+
+def test_lab_run_refuses_a_missing_text_file_with_exit_2_creating_nothing(tmp_path, capsys,
+                                                                          monkeypatch):
+    import lab.notebook
+    from lab.cli import main as cli_main
+
+    monkeypatch.setattr(lab.notebook, "_papermill",
+                        lambda *a, **k: pytest.fail("a kernel was started"))
+    out = tmp_path / "r"
+    assert cli_main(["run", str(EP_NOTEBOOK), "--out", str(out), "-p", "text_path",
+                     str(tmp_path / "nope.txt")]) == 2
+    assert f"EPConfig.text_path='{tmp_path / 'nope.txt'}' does not exist" in \
+        capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_record_identifies_the_text_and_a_resume_on_changed_text_is_refused(tmp_path,
+                                                                            monkeypatch):
+    import hashlib
+
+    from lab.lifecycle import CheckpointError
+
+    corpus = tmp_path / "corp.txt"
+    _corpus(corpus, 0)
+    config = _tiny(text_path=str(corpus), steps=5, eval_every=0, cosine_every=0,
+                   checkpoint_every=2)
+    real = ep_module.train_step
+
+    def interrupted(run, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(run, step)
+
+    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_ep(config, tmp_path / "run")
+    monkeypatch.setattr(ep_module, "train_step", real)
+    raw = corpus.read_bytes()
+    saved = records.load_record(tmp_path / "run")["data"]
+    assert saved == {"text": {"path": str(corpus), "size": len(raw),
+                              "sha256": hashlib.sha256(raw).hexdigest()}}
+    _corpus(corpus, 1, words=("eps", "delta", "gamma", "beta", "alpha", "zeta"))  # other text
+    new = corpus.read_bytes()
+    with pytest.raises(CheckpointError) as err:
+        train_ep(config, tmp_path / "run")
+    assert str(err.value) == (
+        f"{tmp_path / 'run' / 'checkpoint.pt'} belongs to a run trained on other data "
+        f"(text.sha256: {hashlib.sha256(raw).hexdigest()!r} there vs "
+        f"{hashlib.sha256(new).hexdigest()!r} now; text.size: {len(raw)} there vs {len(new)} "
+        "now); resuming would mix two datasets in one run. Restore the data the run began "
+        "with, or use another output directory (or move this one aside) to start afresh")
+    assert records.load_record(tmp_path / "run")["status"] == "running"  # untouched
+    corpus.write_bytes(raw)  # the original text back: the run resumes and completes
+    assert train_ep(config, tmp_path / "run")["status"] == "complete"
+
+
+def test_bundled_corpus_is_identified_by_its_hash():
+    import hashlib
+
+    from lab.data.text import bundled_text
+
+    text = bundled_text()
+    record = train_ep(_tiny(steps=1, warmup_steps=0, eval_every=0, cosine_every=0))
+    assert record["data"] == {"text": {
+        "source": "pydoc_data.topics", "chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
+
+
+def test_seed_is_bounded_by_what_torch_accepts():
+    from lab.config import SEED_MAX
+
+    assert _tiny(seed=SEED_MAX).seed == 2**63 - 1
+    with pytest.raises(ConfigError) as err:
+        _tiny(seed=2**64)
+    assert str(err.value) == ("EPConfig.seed=18446744073709551616 is out of range; allowed: "
+                              "[0, 9223372036854775807]")
+
+
+@pytest.mark.parametrize("kw, name, value, eps", [
+    (dict(beta=1e-8), "beta", 1e-8, "1.192e-07"),
+    (dict(beta=1e-17, dtype="float64"), "beta", 1e-17, "2.22e-16"),
+    (dict(beta=0.1, beta_final=1e-9, beta_schedule="cosine"), "beta_final", 1e-9, "1.192e-07"),
+])
+def test_beta_below_the_dtypes_epsilon_is_refused(kw, name, value, eps):
+    dtype = kw.get("dtype", "float32")
+    with pytest.raises(ConfigError) as err:
+        _tiny(**kw)
+    assert str(err.value) == (
+        f"EPConfig.{name}={value!r} is too small for dtype={dtype!r}: below its machine "
+        f"epsilon ({eps}) the nudge is lost to rounding and EP computes no gradient; allowed: "
+        f"{name} >= {eps}")
+
+
+def test_beta_at_the_dtypes_epsilon_is_allowed():
+    assert _tiny(beta=1e-8, dtype="float64").beta == 1e-8
+    eps32 = float(torch.finfo(torch.float32).eps)
+    assert _tiny(beta=eps32).beta == eps32
+    # beta_final only matters to the cosine schedule; the constant one never reads it.
+    assert _tiny(beta_final=1e-12).beta_final == 1e-12
+
+
+def test_cosine_schedule_that_would_raise_beta_is_refused():
+    with pytest.raises(ConfigError) as err:
+        _tiny(beta=0.01, beta_final=1.0, beta_schedule="cosine")
+    assert str(err.value) == (
+        "EPConfig.beta_final=1.0 > beta=0.01: beta_schedule='cosine' anneals beta down to "
+        "beta_final (a smaller beta is a less biased estimate); use beta_final <= beta, or "
+        "beta_schedule='constant'")
+    assert _tiny(beta=0.01, beta_final=1.0).beta_final == 1.0  # constant: not read
+    assert _tiny(beta=0.01, beta_final=0.01, beta_schedule="cosine").beta == 0.01
+
+
+def test_warmup_longer_than_the_run_is_refused():
+    with pytest.raises(ConfigError) as err:
+        _tiny(steps=30, warmup_steps=31)
+    assert str(err.value) == ("EPConfig.warmup_steps=31 exceeds steps=30: the learning rate "
+                              "would still be warming up when the run ends; use warmup_steps "
+                              "<= steps")
+    assert _tiny(steps=30, warmup_steps=30).warmup_steps == 30  # peak reached at the last step
+
+
+def test_a_run_whose_every_step_was_skipped_says_so():
+    config = _tiny(beta=100.0, drift_bound=0.01, steps=3, eval_every=0, cosine_every=0,
+                   warmup_steps=0)
+    with pytest.warns(UserWarning) as caught:
+        record = train_ep(config)
+    messages = [str(w.message) for w in caught]
+    assert ("EP never updated: the drift governor skipped all 3 steps (drift above "
+            "drift_bound=0.01); only the BP twin learned. Lower beta, or raise drift_bound"
+            ) in messages
+    assert record["final"]["skipped_steps"] == 3 and record["final"]["ep_updates"] == 0
+    assert [row["skipped"] for row in record["steps"]] == [1, 1, 1]
+
+
+def test_the_bill_charges_each_step_at_the_K_it_ran_and_the_cosine_pass_apart():
+    config = _tiny(beta=1.0, K=3, drift_bound=0.01, recover_after=2, steps=12, warmup_steps=0,
+                   eval_every=0, cosine_every=3)
+    record = train_ep(config)
+    rows, work = record["steps"], record["work"]
+    ks = [row["K"] for row in rows]
+    assert len(set(ks)) >= 2, ks  # the governor moved K: the case the bill must follow
+    model = build_ep(config).model
+    at = {K: work_per_step(config, model, K)["ep"]["macs"] for K in set(ks)}
+    assert work["ep_macs_total"] == sum(at[K] for K in ks)
+    assert work["steps_at_K"] == {str(K): ks.count(K) for K in sorted(set(ks))}
+    assert work["cosine_ep_macs_total"] == sum(at[row["K"]] for row in rows if "cos" in row)
+    assert work["cosine_ep_macs_total"] > 0
+    nominal = work_per_step(config, model, 3)
+    assert work["ep"] == nominal["ep"] and work["bp"] == nominal["bp"]  # per step, nominal
+    assert work["bp_macs_total"] == 12 * nominal["bp"]["macs"] and work["steps"] == 12
+    assert work["ep_macs_total"] < 12 * nominal["ep"]["macs"]  # K fell below 3 on some steps
+
+
+def test_train_wall_time_covers_every_session(tmp_path, monkeypatch):
+    """A resumed run's train_wall_s is the whole run's, not the last session's."""
+    config = _tiny(steps=6, eval_every=0, cosine_every=0, checkpoint_every=2, warmup_steps=0)
+    real = ep_module.train_step
+
+    def slow(run, step):
+        time.sleep(0.1)
+        return real(run, step)
+
+    def interrupted(run, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return slow(run, step)
+
+    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_ep(config, tmp_path / "run")
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert saved["rows"] == 4 and saved["wall_s"] >= 0.4  # four slow rows, carried
+    monkeypatch.setattr(ep_module, "train_step", slow)
+    resumed = train_ep(config, tmp_path / "run")
+    # Six rows of >= 0.1 s each; the last session alone ran two (about 0.2 s).
+    assert 0.6 <= resumed["work"]["train_wall_s"] < 60

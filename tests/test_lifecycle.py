@@ -144,7 +144,8 @@ def _interrupt(config, out, after):
 def test_checkpoint_holds_state_and_a_count_not_the_rows(tmp_path):
     train_synthetic(SyntheticConfig(steps=25, checkpoint_every=10), tmp_path / "r")
     state = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
-    assert set(state) == {"format", "identity", "rows", "baseline", "status", "error", "parts"}
+    assert set(state) == {"format", "identity", "rows", "baseline", "status", "error", "parts",
+                          "data", "wall_s"}
     assert state["rows"] == 25 and set(state["parts"]) == {"weights", "generator"}
     # One part per save: rows 0-10, 10-20, 20-25.
     names = sorted(p.name for p in (tmp_path / "r" / "rows" / "step").iterdir())
@@ -301,3 +302,71 @@ def test_sigkill_anywhere_never_breaks_the_store_and_resume_is_exact(tmp_path):
                    for p in (out / "rows" / "step").iterdir())
     assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]]
     assert spans[-1][1] == KILL_CONFIG.steps
+
+
+# ---------------------------------------------------------------------------
+# the data a run read: recorded, carried in checkpoints, checked on resume
+
+
+def _life(out, data, steps=30):
+    return Lifecycle(kind="synthetic", config=SyntheticConfig(steps=steps, checkpoint_every=5),
+                     expect=Expectation("step", steps), parts={}, out_dir=out, progress=False,
+                     checkpoint_every=5, data=data)
+
+
+def _half_run(out, data, rows=12):
+    with _life(out, data) as life:
+        life.start()
+        for _ in range(rows):
+            life.log({"train_loss": 1.0})
+        life.close()  # interrupted: 10 rows are in the store
+
+
+def test_resume_on_other_data_is_refused_naming_each_difference(tmp_path):
+    then = {"csv": {"path": "/d/p.csv", "size": 10, "sha256": "aa"}, "split": {"n_val": 4}}
+    _half_run(tmp_path / "r", then)
+    assert records.load_record(tmp_path / "r")["data"] == then
+    now = {"csv": {"path": "/d/p.csv", "size": 12, "sha256": "bb"}, "split": {"n_val": 4}}
+    life = _life(tmp_path / "r", now)
+    with pytest.raises(CheckpointError) as err:
+        life.start()
+    assert str(err.value) == (
+        f"{tmp_path / 'r' / CHECKPOINT} belongs to a run trained on other data (csv.sha256: "
+        "'aa' there vs 'bb' now; csv.size: 10 there vs 12 now); resuming would mix two "
+        "datasets in one run. Restore the data the run began with, or use another output "
+        "directory (or move this one aside) to start afresh")
+    assert not life._held  # the lock is released; the run is untouched
+    assert records.load_record(tmp_path / "r")["data"] == then
+    with _life(tmp_path / "r", then) as life:  # the same data resumes
+        assert life.start() == 10
+
+
+def test_a_checkpoint_without_data_resumes_under_a_trainer_that_declares_it(tmp_path):
+    # Runs checkpointed before data was declared (and trainers that declare none, like conv)
+    # keep resuming: there is nothing to compare against.
+    _half_run(tmp_path / "r", None)
+    assert "data" not in records.load_record(tmp_path / "r")
+    with _life(tmp_path / "r", {"csv": {"sha256": "aa"}}) as life:
+        assert life.start() == 10
+
+
+def test_train_wall_time_is_summed_over_sessions_up_to_the_last_row(tmp_path):
+    with _life(tmp_path / "r", None, steps=10) as life:
+        life.start()
+        for _ in range(7):
+            time.sleep(0.05)
+            life.log({"train_loss": 1.0})
+        time.sleep(0.3)  # after the checkpoint at 5 rows: lost with the kill, redone later
+        life.close()
+    saved = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
+    assert saved["rows"] == 5 and 0.25 <= saved["wall_s"] < 0.25 + 5
+    with _life(tmp_path / "r", None, steps=10) as life:
+        assert life.start() == 5
+        for _ in range(5):
+            time.sleep(0.05)
+            life.log({"train_loss": 1.0})
+        time.sleep(0.3)  # the final evaluation is not training time
+        record = life.finish({}, {"examples": 3})
+    wall = record["work"]["train_wall_s"]
+    assert record["work"]["examples"] == 3
+    assert saved["wall_s"] + 0.25 <= wall < saved["wall_s"] + 0.25 + 0.25  # 5 more rows only

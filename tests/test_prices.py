@@ -149,7 +149,8 @@ def test_series_too_short():
     with pytest.raises(DataError, match=r"has 23 prices, too short for window=5, seq_len=4 and "
                                         r"the largest horizon 7: it needs at least 24"):
         _loader(_walk(30)[:23])
-    data = _loader(_walk(30)[:24])  # the shortest allowed: one example on each side
+    with pytest.warns(UserWarning, match=r"val_fraction=0.25 cannot be honoured"):
+        data = _loader(_walk(30)[:24])  # the shortest allowed: one example on each side
     assert len(data.train_ends) >= 1 and len(data.val_ends) >= 1
     with pytest.raises(DataError, match=r"too short"):
         _loader(_walk(30), horizons=(1, 20), main_horizon=1)
@@ -204,3 +205,29 @@ def test_other_bad_arguments():
         synthetic_prices("trend")
     with pytest.raises(DataError, match=r"does not move"):
         _loader(np.full(100, 5.0))
+
+
+def test_split_sizes_and_a_warning_when_the_clamp_moves_the_split():
+    # GOOG (68 months) at val_fraction 0.2 with the CfC defaults: the clamp that gives each side
+    # an example leaves 2 training and 4 validation examples (trial finding 9).
+    with pytest.warns(UserWarning) as caught:
+        data = MultiHorizonLoader(vega_prices("GOOG"), window=12, seq_len=12,
+                                  horizons=(1, 5, 20), main_horizon=5, val_fraction=0.2,
+                                  name="GOOG")
+    assert [str(w.message) for w in caught] == [
+        "GOOG: val_fraction=0.2 cannot be honoured with window=12, seq_len=12 and the largest "
+        "horizon 20 on 68 prices; the split was moved to give each side an example: 2 training "
+        "and 4 validation examples (validation fraction 0.667). Use a longer series or smaller "
+        "window / seq_len / horizons"]
+    assert data.split_sizes() == {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}
+
+
+def test_no_warning_when_the_split_is_as_requested():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data = _loader(_walk(), val_fraction=0.25)
+    # 120 prices: first = 8, last = 112, cut = 8 + round(0.75 * 104) = 86; training ends run
+    # 8..79 (cut - 7), validation 86..112.
+    assert data.split_sizes() == {"n_train": 72, "n_val": 27, "val_fraction": 27 / 99}

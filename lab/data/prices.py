@@ -33,6 +33,7 @@ would; its targets read only prices after the cut).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,20 +184,41 @@ class MultiHorizonLoader:
                 f"the largest horizon {h_max}: it needs at least {needed} (window + seq_len + "
                 f"2 x largest horizon + 1, so that training and validation each get an "
                 "example); use a longer series or smaller window / seq_len / horizons")
-        cut = first + int(round((1.0 - val_fraction) * (last - first)))
-        cut = min(max(cut, first + h_max + 1), last)
+        asked = first + int(round((1.0 - val_fraction) * (last - first)))
+        cut = min(max(asked, first + h_max + 1), last)
         blocks = [self._series(check_prices(row, name if len(rows) == 1 else f"{name}[{i}]"),
                                name) for i, row in enumerate(rows)]
         offsets = torch.arange(len(rows))[:, None] * n  # (S, 1)
         self.train_ends = (offsets + torch.arange(first, cut - h_max + 1)).flatten()
         self.val_ends = (offsets + torch.arange(cut, last + 1)).flatten()
         self.cut, self.length, self.n_series = cut, n, len(rows)
+        self.val_fraction = val_fraction  # as requested; split_sizes() has the effective one
+        if cut != asked:
+            # On a short series the clamp that gives each split an example can move the split
+            # far from the request (GOOG at 0.2: 2 training and 4 validation examples): say so.
+            sizes = self.split_sizes()
+            warnings.warn(
+                f"{name}: val_fraction={val_fraction} cannot be honoured with window={window}, "
+                f"seq_len={seq_len} and the largest horizon {h_max} on {n} prices; the split "
+                f"was moved to give each side an example: {sizes['n_train']} training and "
+                f"{sizes['n_val']} validation examples (validation fraction "
+                f"{sizes['val_fraction']:.3f}). Use a longer series or smaller window / "
+                "seq_len / horizons", stacklevel=2)
         stack = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*blocks)]
         self.sigma = stack[0]  # (S*N,)
         self.features = stack[1].float()  # (S*N, window)
         self.long = stack[2].float()  # (S*N, n_horizons)
         self.short = stack[3].float()
         self.direction = stack[4].float()  # (S*N,)
+
+    def split_sizes(self) -> dict:
+        """Training and validation example counts and the validation fraction they make.
+
+        It differs from the requested ``val_fraction`` by the gap of max(horizons) steps
+        between the splits, and wherever the clamp had to move the cut.
+        """
+        n_train, n_val = len(self.train_ends), len(self.val_ends)
+        return {"n_train": n_train, "n_val": n_val, "val_fraction": n_val / (n_train + n_val)}
 
     def _series(self, prices: np.ndarray, name: str):
         """sigma, features, long, short, direction of one series (rows past the last usable

@@ -3,7 +3,7 @@
 The bundled corpus is the help text every CPython installation carries in
 ``pydoc_data.topics`` (the pages behind ``help("if")`` and friends): about 465,000 characters of
 English technical prose, PSF licence, no download and no extra dependency. Its exact text
-follows the Python version (3.11.7 here: 464,970 characters, 103 distinct); the record's
+follows the Python version (3.11.7 here: 465,126 characters, 103 distinct); the record's
 environment names the version. Any UTF-8 text file can be used instead.
 
 The text is split by position, first ``1 - val_fraction`` for training and the rest for
@@ -53,6 +53,18 @@ def read_text(path: str | Path) -> str:
     if not text:
         raise TextError(f"text file {str(path)!r} is empty; a corpus needs text")
     return text
+
+
+def text_identity(text_path: str = "") -> dict:
+    """What identifies the corpus at ``text_path``: the file's absolute path, size and
+    sha256, or for the bundled corpus its source, length and sha256 (its text follows the
+    Python version, so a resume under a Python whose help text differs is caught too)."""
+    from .identity import file_identity, sha256_bytes
+
+    if text_path:
+        return file_identity(text_path)
+    text = bundled_text()
+    return {"source": BUNDLED, "chars": len(text), "sha256": sha256_bytes(text.encode("utf-8"))}
 
 
 def bits_per_char(loss: float) -> float:

@@ -36,7 +36,6 @@ later, held-out part of the series.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +45,9 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..data import DataError
+from ..data.identity import absolute, file_identity
 from ..data.prices import (
     DEFAULT_SYMBOL,
     SOURCES,
@@ -78,7 +78,7 @@ class CfCAuxConfig:
     # data: the price series
     source: str = choice("vega", SOURCES)
     symbol: str = choice(DEFAULT_SYMBOL, VEGA_SYMBOLS)  # source "vega"
-    csv_path: str = ""  # source "csv": the file ...
+    csv_path: str = ""  # source "csv": the file (made absolute on construction) ...
     column: str = ""  # ... and the column holding prices, oldest row first
     synthetic: str = choice("random_walk", SYNTHETIC_KINDS)  # source "synthetic"
     synthetic_length: int = bounded(2000, 2)
@@ -115,7 +115,7 @@ class CfCAuxConfig:
     eval_every: int = bounded(25, 0)  # steps between validations; 0 = only the final one
     diverge_factor: float = bounded(1e3, 1.0, lo_open=True)
     # run
-    seed: int = bounded(0, 0)
+    seed: int = bounded(0, 0, SEED_MAX)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     threads: int = bounded(0, 0)  # 0 = torch's default
     checkpoint_every: int = bounded(50, 0)  # steps; 0 = only at the end
@@ -134,6 +134,13 @@ class CfCAuxConfig:
             raise ConfigError("CfCAuxConfig.source='csv' needs csv_path (the file) and column "
                               f"(the price column); got csv_path={self.csv_path!r}, "
                               f"column={self.column!r}")
+        # Resolved once, where the config is built (`lab run` and its kernel share a working
+        # directory), so the record names the file itself, not a name relative to somewhere.
+        object.__setattr__(self, "csv_path", absolute(self.csv_path))
+        if self.source == "csv" and not Path(self.csv_path).is_file():
+            raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} does not exist or is "
+                              "not a file; expected a CSV file with a header row naming "
+                              f"column={self.column!r}")
         if self.units % self.main_buckets:
             raise ConfigError(f"CfCAuxConfig.main_buckets={self.main_buckets} must divide "
                               f"units={self.units}")
@@ -149,6 +156,16 @@ def load_prices(config: CfCAuxConfig):
                               drift=config.drift, volatility=config.volatility,
                               regime_length=config.regime_length, seed=config.seed)
     return prices, f"synthetic {config.synthetic}"
+
+
+def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader) -> dict:
+    """What identifies a run's data (``record["data"]``, checked on resume): the CSV file's
+    path, size and hash (vega and synthetic series are fixed by the package and the config)
+    and the split the loader actually made (the clamp can move it off ``val_fraction``)."""
+    identity = {"split": data.split_sizes()}
+    if config.source == "csv":
+        identity["csv"] = file_identity(config.csv_path)
+    return identity
 
 
 def main_buckets(config: CfCAuxConfig):
@@ -394,6 +411,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     run = build_run(config)
     life = Lifecycle(kind="cfc_aux", config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),
+                     data=data_identity(config, run.data),
                      checkpoint_every=config.checkpoint_every,
                      divergence=Divergence(eval_keys=("val_loss",),
                                            factor=config.diverge_factor),
@@ -404,7 +422,6 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
             return life.result()
         if done == 0:
             life.baseline(initial_loss(run))
-        start = time.perf_counter()
         bar = life.rows()
         for step in bar:
             row = train_step(run, step)
@@ -421,8 +438,8 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
             final = {**evaluate(run),
                      "val_up_fraction": float(run.data.validation().direction.mean()),
                      "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
+        # The lifecycle adds train_wall_s: the whole run's, summed over its sessions.
         work = {"optimizer_steps": len(life.rows_logged),
-                "train_examples": len(life.rows_logged) * config.batch_size,
-                "train_wall_s": time.perf_counter() - start}  # this session's share
+                "train_examples": len(life.rows_logged) * config.batch_size}
         return life.finish(final, work)
 

@@ -61,14 +61,23 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError, bounded, choice, validate
-from ..data.text import TextError, bits_per_char, eval_windows, load_corpus, sample_batch
+from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..data.identity import absolute
+from ..data.text import (
+    TextError,
+    bits_per_char,
+    eval_windows,
+    load_corpus,
+    sample_batch,
+    text_identity,
+)
 from ..device import configure_process, resolve_device, seeded, sync
 from ..models.transformer import Transformer, language_model_loss
 
@@ -82,7 +91,9 @@ SPECTRAL_ITERS = 200
 class EPConfig:
     """Everything one EP run depends on; ``asdict`` is stored in the record."""
 
-    # data: "" = the bundled corpus (pydoc_data.topics), else a UTF-8 text file
+    # data: "" = the bundled corpus (pydoc_data.topics), else a UTF-8 text file; a relative
+    # path is made absolute on construction (against the working directory), so the record
+    # names the file itself
     text_path: str = ""
     seq_len: int = bounded(64, 1)
     # model (the vocabulary comes from the data)
@@ -112,7 +123,7 @@ class EPConfig:
     eval_batches: int = bounded(0, 0)  # batches of batch_size windows; 0 = the whole split
     cosine_every: int = bounded(100, 0)  # steps between EP/BP gradient cosines; 0 = never
     # run
-    seed: int = bounded(0, 0)
+    seed: int = bounded(0, 0, SEED_MAX)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
     threads: int = bounded(0, 0)  # 0 = torch's default
     checkpoint_every: int = bounded(100, 0)  # steps; 0 = only at the end
@@ -124,6 +135,41 @@ class EPConfig:
             raise ConfigError(f"EPConfig.d_model={self.d_model} is not divisible by "
                               f"n_heads={self.n_heads}; each head gets d_model / n_heads "
                               "channels")
+        # Resolved once, where the config is built (`lab run` and its kernel share a working
+        # directory): a run started elsewhere then differs visibly in its config instead of
+        # silently reading another file of the same name.
+        object.__setattr__(self, "text_path", absolute(self.text_path))
+        if self.text_path and not Path(self.text_path).is_file():
+            raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
+                              "a file; expected a UTF-8 text file, or '' for the bundled corpus")
+        _check_beta(self)
+        if self.warmup_steps > self.steps:
+            raise ConfigError(f"EPConfig.warmup_steps={self.warmup_steps} exceeds "
+                              f"steps={self.steps}: the learning rate would still be warming up "
+                              "when the run ends; use warmup_steps <= steps")
+
+
+def _check_beta(config: EPConfig) -> None:
+    """beta (and a cosine schedule's end value) large enough to move the states at all."""
+    # The top force is about beta per element on states of order 1: below the dtype's machine
+    # epsilon the nudge is lost to rounding (drift 0; only the read-out learns), and far below
+    # it E / (n beta) turns into NaN. The governor cannot catch that: zero drift looks clean.
+    eps = float(torch.finfo(DTYPES[config.dtype]).eps)
+    names = ("beta", "beta_final") if config.beta_schedule == "cosine" else ("beta",)
+    for name in names:
+        value = getattr(config, name)
+        if value < eps:
+            raise ConfigError(f"EPConfig.{name}={value!r} is too small for "
+                              f"dtype={config.dtype!r}: below its machine epsilon ({eps:.4g}) "
+                              "the nudge is lost to rounding and EP computes no gradient; "
+                              f"allowed: {name} >= {eps:.4g}")
+    # The schedule anneals: beta's error is O(beta) (see the module doc), so it starts at the
+    # exploratory value and ends at the less biased beta_final; ending higher makes no sense.
+    if config.beta_schedule == "cosine" and config.beta_final > config.beta:
+        raise ConfigError(f"EPConfig.beta_final={config.beta_final!r} > beta={config.beta!r}: "
+                          "beta_schedule='cosine' anneals beta down to beta_final (a smaller "
+                          "beta is a less biased estimate); use beta_final <= beta, or "
+                          "beta_schedule='constant'")
 
 
 # ---------------------------------------------------------------------------
@@ -486,6 +532,37 @@ def work_per_step(config: EPConfig, model: Transformer, K: int) -> dict:
     return {"ep": ep, "bp": bp, "ep_over_bp_macs": ep["macs"] / bp["macs"]}
 
 
+def run_bill(config: EPConfig, model: Transformer, rows: list[dict]) -> dict:
+    """The run's bill from its rows: ``work_per_step`` at the configured K (the nominal
+    step), and totals that bill each step at the K it ran.
+
+    The governor lowers K, so ``ep_macs_total`` sums each row's own K (``steps_at_K`` counts
+    them); a skipped step is billed too, its gradient was computed. The cosine diagnostic's
+    extra EP pass (at the twin's parameters, same beta and K) is diagnostic work: billed apart
+    as ``cosine_ep_macs_total``, never folded into training (as in ``lab.diagnostics.work``);
+    it reuses the twin's own BP gradient, so it adds no BP work.
+    """
+    nominal = work_per_step(config, model, config.K)
+    macs_at = {}  # K -> EP MACs of one step at that K
+
+    def macs(K: int) -> int:
+        if K not in macs_at:
+            macs_at[K] = work_per_step(config, model, K)["ep"]["macs"]
+        return macs_at[K]
+
+    steps_at_K: dict[str, int] = {}
+    ep_total = cosine_total = 0
+    for row in rows:
+        K = int(row["K"])
+        steps_at_K[str(K)] = steps_at_K.get(str(K), 0) + 1
+        ep_total += macs(K)
+        if config.cosine_every and row["step"] % config.cosine_every == 0:
+            cosine_total += macs(K)
+    return {**nominal, "steps": len(rows), "steps_at_K": dict(sorted(steps_at_K.items())),
+            "ep_macs_total": ep_total, "bp_macs_total": nominal["bp"]["macs"] * len(rows),
+            "cosine_ep_macs_total": cosine_total}
+
+
 def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
              run_id: str | None = None) -> dict:
     """Train EP and its BP twin per ``config``; returns the run record (saved under out_dir).
@@ -499,7 +576,8 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
     with Lifecycle(kind="ep", config=config, expect=expectation(config), out_dir=out_dir,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
                    checkpoint_every=config.checkpoint_every, progress=config.progress,
-                   desc=f"ep seed {config.seed}") as life:
+                   desc=f"ep seed {config.seed}",
+                   data={"text": text_identity(config.text_path)}) as life:
         done = life.start()
         if life.finished:
             return life.result()
@@ -509,20 +587,22 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
             probe = tuple(t.to(run.device) for t in eval_windows(
                 run.corpus.train, config.seq_len, config.batch_size))
             life.baseline(evaluate(run.model, probe, config.batch_size))
-        steps = done
         for step in life.rows():
-            steps += 1
             if not life.log(train_step(run, step)):
                 break
         final = _evaluate_both(run)
+        steps = len(life.rows_logged)
         final["skipped_steps"] = run.governor.skipped
-        work = work_per_step(config, run.model, config.K)
-        work.update(steps=steps, ep_macs_total=work["ep"]["macs"] * steps,
-                    bp_macs_total=work["bp"]["macs"] * steps)
-        return life.finish(final=final, work=work)
+        # Steps EP actually updated on: 0 means the record holds only the twin's learning.
+        final["ep_updates"] = steps - run.governor.skipped
+        if steps and final["ep_updates"] == 0:
+            warnings.warn(f"EP never updated: the drift governor skipped all {steps} steps "
+                          f"(drift above drift_bound={config.drift_bound}); only the BP twin "
+                          "learned. Lower beta, or raise drift_bound", stacklevel=2)
+        return life.finish(final=final, work=run_bill(config, run.model, life.rows_logged))
 
 
 __all__ = ["EPConfig", "EPResult", "EPRun", "Governor", "TextError", "bp_gradient",
            "build_ep", "ep_gradient", "evaluate", "expectation",
-           "gradient_cosines", "scheduled_beta", "spectral_norm", "train_ep", "train_step",
-           "work_per_step"]
+           "gradient_cosines", "run_bill", "scheduled_beta", "spectral_norm", "train_ep",
+           "train_step", "work_per_step"]

@@ -1,0 +1,38 @@
+"""What identifies a data file: its absolute path, size and content hash.
+
+A run records this (``record["data"]``) and its checkpoints carry it, so a resume
+on a file that changed since the run began is refused instead of silently mixing
+two datasets in one trajectory (``lab.lifecycle``). The path alone cannot tell:
+a file is often overwritten in place under the same name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHUNK = 1 << 20  # hash in 1 MiB reads: a large CSV never sits in memory twice
+
+
+def absolute(path: str) -> str:
+    """``path`` with ``~`` expanded, made absolute and normalised ("" stays "").
+
+    Configs store this form, so the record names the file a run read whatever
+    the working directory of a later reader or resume.
+    """
+    return str(Path(path).expanduser().resolve()) if path else ""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_identity(path: str | Path) -> dict:
+    """{"path": absolute path, "size": bytes, "sha256": hex digest} of one file."""
+    path = Path(path).expanduser().resolve()
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"path": str(path), "size": size, "sha256": digest.hexdigest()}
