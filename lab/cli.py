@@ -151,6 +151,7 @@ def _train(args) -> int:
     out = Path(args.out).resolve()
     try:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
+        config.preflight()
         _check_writable(out)
         resolved = Resolved({}, asdict(config), full=True)
         decision, state = decide(out, resolved, _replace(args.force))

@@ -316,6 +316,8 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     context = f" (given by {', '.join(dotted)})" if dotted else ""
     try:
         config = from_dict(cls, {k: v for k, v in merged.items() if k in fields})
+        # What the data or machine decides (dataset sizes, files): still before a kernel.
+        getattr(config, "preflight", lambda: None)()
     except ConfigError as err:
         if not context:
             raise

@@ -19,7 +19,7 @@ import lab.notebook
 from lab import records, runlock
 from lab.cli import main as cli_main
 from lab.cli import runs_table
-from lab.data import DataError, load_dataset
+from lab.data import DataError, load_dataset, train_size
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO = ROOT / "tests" / "fixtures" / "notebooks" / "echo.ipynb"
@@ -167,10 +167,41 @@ def test_n_train_beyond_the_data_is_refused(tmp_path, capsys):
                        rf"{available}"):
         load_dataset("mnist1d", val_fraction=0.1, n_train=100000)
     assert len(load_dataset("mnist1d", val_fraction=0.1, n_train=available).train) == available
-    assert cli_main(["train", "--out", str(tmp_path / "T"), "-p", "n_train", "100000"]) == 1
-    err = capsys.readouterr().err
-    assert f"error: DataError: n_train=100000 but mnist1d has only {available}" in err
-    assert "Traceback" not in err
+    # Refused before anything runs (exit 2, nothing created), by lab train and lab run.
+    for command in (["train"], ["run", str(TRAIN)]):
+        assert cli_main([*command, "--out", str(tmp_path / "T"), "-p", "n_train", "100000"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: ConvConfig: n_train=100000 but mnist1d has only {available}" in err
+        assert "Traceback" not in err and not (tmp_path / "T").exists()
+    assert train_size("mnist1d", val_fraction=0.1) == available
+    assert train_size("mnist1d", val_fraction=0.1, n_train=7) == 7
+
+
+@pytest.mark.parametrize("rule, params, message", [
+    ("kp_traffic", {}, "kp_traffic: rule_params.traffic_calibration_examples=512 but the "
+                       "training set has only 256 examples; allowed: 1 to 256"),
+    ("kp_traffic", {"traffic_calibration_examples": 64, "predictor_batch": 300},
+     "kp_traffic: rule_params.predictor_batch=300 but the training set has only 256"),
+    ("sdil", {"calibration_batch": 400}, "sdil: rule_params.calibration_batch=400 but"),
+    ("lhfa", {"calibration_batch": 257}, "lhfa: rule_params.calibration_batch=257 but"),
+])
+def test_what_a_rule_draws_from_the_training_set_is_checked_before_a_run(
+        tmp_path, capsys, no_kernel, rule, params, message):
+    args = ["run", str(TRAIN), "--out", str(tmp_path / "r"), "-p", "n_train", "256",
+            "-p", "rule", rule, *[a for k, v in params.items()
+                                  for a in ("-p", f"rule_params.{k}", str(v))]]
+    assert cli_main(args) == 2
+    assert message in _one_paragraph(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_alignment_probe_must_fit_in_the_training_set(tmp_path, capsys, no_kernel):
+    args = ["run", str(TRAIN), "--out", str(tmp_path / "r"), "-p", "n_train", "100",
+            "-p", "alignment_every", "1"]
+    assert cli_main(args) == 2
+    assert ("ConvConfig.alignment_batch=256 but the training set has only 100 examples" in
+            _one_paragraph(capsys.readouterr().err))
+    assert cli_main([*args, "-p", "alignment_every", "0"]) == 2  # given twice: refused
 
 
 # ---------------------------------------------------------------------------

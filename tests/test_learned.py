@@ -593,8 +593,9 @@ def test_prefix_bounds_are_inclusive(name, key):
     model, x, y = smooth_net()
     make_rule(name, model, {**params, key: len(x)}, seed=0).prepare(x, y)
     rule = make_rule(name, smooth_net()[0], {**params, key: len(x) + 1}, seed=0)
-    with pytest.raises(ConfigError, match=rf"^{name}: {key}=5 but the training set has only 4 "
-                                          r"examples; allowed: 1 to 4$"):
+    with pytest.raises(ConfigError, match=rf"^{name}: rule_params.{key}=5 but the training set "
+                                          r"has only 4 examples; allowed: 1 to 4 \(or a larger "
+                                          r"n_train\)$"):
         rule.prepare(x, y)
 
 

@@ -15,6 +15,7 @@ Per-dataset loading lives in the submodules; augmentation in `lab.data.augment`,
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "DataError", "Dataset", "Split", "default_data_dir", "load_dataset"]
+__all__ = ["DATASETS", "DataError", "Dataset", "Split", "default_data_dir", "load_dataset",
+           "train_size"]
 
 DATASETS = ("mnist1d", "digits", "cifar10")
 
@@ -120,12 +122,7 @@ def load_dataset(
     # per-channel mean/std, a negligible leak.)
     to_float = scale(x_train)
     train_idx, val_idx = _val_split(len(y_train), val_fraction, split_seed, name)
-    if n_train > len(train_idx):
-        raise DataError(
-            f"n_train={n_train} but {name} has only {len(train_idx)} training examples "
-            f"available (after holding out val_fraction={val_fraction} for validation); "
-            f"allowed: 0 (all of them) or 1 to {len(train_idx)}"
-        )
+    _check_n_train(name, n_train, len(train_idx), val_fraction)
     if n_train > 0:
         train_idx = train_idx[:n_train]
 
@@ -155,6 +152,38 @@ def _check_args(val_fraction: float, n_train: int) -> None:
         raise DataError(f"n_train must be an integer >= 0 (0 = all), got {n_train!r}")
     if n_train < 0:
         raise DataError(f"n_train={n_train} is negative; allowed: an integer >= 0 (0 = all)")
+
+
+def _check_n_train(name: str, n_train: int, available: int, val_fraction: float) -> None:
+    # A record saying n_train=100000 must not describe a run on 3,600 examples.
+    if n_train > available:
+        raise DataError(
+            f"n_train={n_train} but {name} has only {available} training examples "
+            f"available (after holding out val_fraction={val_fraction} for validation); "
+            f"allowed: 0 (all of them) or 1 to {available}"
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _official_train_size(name: str, root: Path) -> int:
+    return len(_load_raw(name, root)[1])
+
+
+def train_size(name: str, *, data_dir=None, val_fraction: float = 0.1, n_train: int = 0) -> int:
+    """How many training examples ``load_dataset`` with these arguments gives, or the
+    DataError it would raise: the check a run makes before it starts (sizes cached
+    per process, so a sweep's pre-check loads each dataset once)."""
+    if name not in _SPECS:
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    _check_args(val_fraction, n_train)
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    n = _official_train_size(name, root)
+    available = n - int(math.floor(val_fraction * n + 0.5))  # as _val_split holds out
+    if available < 1:
+        raise DataError(f"{name}: val_fraction={val_fraction} of {n} training examples leaves "
+                        "no training examples; lower val_fraction or provide more data")
+    _check_n_train(name, n_train, available, val_fraction)
+    return n_train or available
 
 
 def _load_raw(name: str, root: Path):

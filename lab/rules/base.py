@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ..config import validate
+from ..config import ConfigError, validate
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,15 @@ class NoParams:
 
     def __post_init__(self):
         validate(self)
+
+
+def check_example_needs(rule: str, needs: dict[str, int], available: int) -> None:
+    """ConfigError naming the first of ``needs`` (field -> examples) beyond ``available``."""
+    for key, size in needs.items():
+        if size > available:
+            raise ConfigError(f"{rule}: rule_params.{key}={size} but the training set has only "
+                              f"{available} examples; allowed: 1 to {available} (or a larger "
+                              "n_train)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,13 @@ class Rule:
     def parameters(self) -> list[torch.Tensor]:
         """Learnable tensors the rule owns, stepped with the model's own hyper-parameters."""
         return []
+
+    @staticmethod
+    def example_needs(params) -> dict[str, int]:
+        """Params field -> how many training examples ``prepare`` draws for it (only
+        the fields in use). Checked against the training set before a run starts
+        (``check_example_needs``), so a too-small set is a ConfigError, not a failed run."""
+        return {}
 
     def param_groups(self) -> list[dict]:
         """Extra optimizer groups for tensors with their own settings.

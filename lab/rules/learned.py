@@ -70,7 +70,7 @@ import numba_kernels
 from ..config import ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
-from .base import Rule, StepResult
+from .base import Rule, StepResult, check_example_needs
 from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
 from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below
@@ -138,6 +138,10 @@ class LearnedFA(FeedbackAlignment):
     Params = LHFAParams
     row_metrics = ("feedback/mean_cos", "perturbation/loss_queries", "calibration/events")
 
+    @staticmethod
+    def example_needs(params) -> dict[str, int]:
+        return {"calibration_batch": params.calibration_batch} if params.warmup_steps else {}
+
     def __init__(self, model, params=None, *, seed=0):
         super().__init__(model, params, seed=seed)
         _need_resnet(model, self.name)
@@ -159,9 +163,7 @@ class LearnedFA(FeedbackAlignment):
         return out
 
     def prepare(self, x, y):
-        if self.params.warmup_steps and self.params.calibration_batch > len(x):
-            raise ConfigError(f"lhfa: calibration_batch={self.params.calibration_batch} but the "
-                              f"training set has only {len(x)} examples; allowed: 1 to {len(x)}")
+        check_example_needs(self.name, self.example_needs(self.params), len(x))
         self.model.train()
         for _ in range(self.params.warmup_steps):
             self.calibrate(*_draw_batch(x, y, self.params.calibration_batch,
@@ -302,6 +304,15 @@ class SDIL(Rule):
                    "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_innovation/mean", "apical/rms_traffic/mean")
 
+    @staticmethod
+    def example_needs(params) -> dict[str, int]:
+        needs = {"traffic_calibration_examples": params.traffic_calibration_examples}
+        if params.a_warmup_steps:
+            needs["calibration_batch"] = params.calibration_batch
+        if params.predictor_warmup_steps:
+            needs["predictor_batch"] = params.predictor_batch
+        return needs
+
     def __init__(self, model, params=None, *, seed=0):
         super().__init__(model, params, seed=seed)
         check_supported(model, self.name)
@@ -428,13 +439,7 @@ class SDIL(Rule):
     def prepare(self, x, y):
         """A warm-up, then the traffic gains (against the calibrated I), then the predictor."""
         p = self.params
-        for key, size, used in (("calibration_batch", p.calibration_batch, p.a_warmup_steps),
-                                ("predictor_batch", p.predictor_batch, p.predictor_warmup_steps),
-                                ("traffic_calibration_examples",
-                                 p.traffic_calibration_examples, True)):
-            if used and size > len(x):
-                raise ConfigError(f"sdil: {key}={size} but the training set has only "
-                                  f"{len(x)} examples; allowed: 1 to {len(x)}")
+        check_example_needs(self.name, self.example_needs(p), len(x))
         self.model.train()
         for _ in range(p.a_warmup_steps):
             self.calibrate(*_draw_batch(x, y, p.calibration_batch, self.batch_generator))

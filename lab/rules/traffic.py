@@ -58,7 +58,7 @@ import numba_kernels
 from ..config import ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
-from .base import StepResult
+from .base import StepResult, check_example_needs
 from .common import derive_seed
 from .feedback import KolenPollack
 from .registry import register
@@ -176,6 +176,13 @@ class KolenPollackTraffic(KolenPollack):
     row_metrics = ("feedback/mean_cos", "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_raw/mean", "apical/rms_innovation/mean",
                    "apical/rms_traffic/mean")
+
+    @staticmethod
+    def example_needs(params) -> dict[str, int]:
+        needs = {"traffic_calibration_examples": params.traffic_calibration_examples}
+        if params.predictor_warmup_steps:
+            needs["predictor_batch"] = params.predictor_batch
+        return needs
 
     def __init__(self, model, params=None, *, seed=0):
         super().__init__(model, params, seed=seed)
@@ -355,14 +362,7 @@ class KolenPollackTraffic(KolenPollack):
         if y is None:
             raise ValueError("kp_traffic.prepare needs the labels: the gain is calibrated "
                              "against the KP instruction, which needs the output error")
-        if n_cal > len(x):
-            raise ConfigError(f"kp_traffic: traffic_calibration_examples={n_cal} but the "
-                              f"training set has only {len(x)} examples; allowed: 1 to "
-                              f"{len(x)}")
-        if self.params.predictor_warmup_steps and self.params.predictor_batch > len(x):
-            raise ConfigError(f"kp_traffic: predictor_batch={self.params.predictor_batch} but "
-                              f"the training set has only {len(x)} examples; allowed: 1 to "
-                              f"{len(x)}")
+        check_example_needs(self.name, self.example_needs(self.params), len(x))
         self.calibrate(x[:n_cal], y[:n_cal])
         self.warm_up(x)
 

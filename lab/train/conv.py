@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
-from ..data import DATASETS, load_dataset
+from ..config import SEED_MAX, ConfigError, bounded, choice, from_dict, validate
+from ..data import DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
 from ..device import configure_process, resolve_device, seeded, sync
@@ -34,6 +34,7 @@ from ..diagnostics.work import bill
 from ..lifecycle import Divergence, Expectation, Lifecycle
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
+from ..rules.base import check_example_needs
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -104,6 +105,23 @@ class ConvConfig:
         # Store the rule's resolved hyper-parameters, defaults included, so the
         # record says exactly what ran.
         object.__setattr__(self, "rule_params", resolve_params(self.rule, self.rule_params))
+
+    def preflight(self) -> None:
+        """What the data decides, checked before a run starts (``lab run``, ``lab train``
+        and a sweep's pre-check call it): n_train, the examples the rule's preparation
+        draws and the alignment probe must fit in the training set. ConfigError if not."""
+        try:
+            available = train_size(self.dataset, data_dir=self.data_dir or None,
+                                   val_fraction=self.val_fraction, n_train=self.n_train)
+        except DataError as err:
+            raise ConfigError(f"ConvConfig: {err}") from None
+        rule = rule_class(self.rule)
+        check_example_needs(self.rule, rule.example_needs(from_dict(rule.Params,
+                                                                    self.rule_params)), available)
+        if self.alignment_every and self.alignment_batch > available:
+            raise ConfigError(f"ConvConfig.alignment_batch={self.alignment_batch} but the "
+                              f"training set has only {available} examples (the probe batch "
+                              f"is drawn from it); allowed: 1 to {available}")
 
 
 def _evaluate(model, split, batch_size) -> tuple[float, float]:
