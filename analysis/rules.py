@@ -149,7 +149,10 @@ def _last_epoch_mean(data, table: pd.DataFrame, metric: str) -> pd.Series:
 def rules_table(data) -> pd.DataFrame:
     """The README's table: per rule, test accuracy (mean, std over seeds, in %), its gap
     to bp in points, last-epoch alignment and feedback cosine (means over seeds), and
-    MACs per training example as a multiple of one forward pass."""
+    MACs per training example as a multiple of one forward pass. Refuses incomplete
+    data (:func:`check_rules_complete`): a mean over the runs that happen to exist
+    is not the protocol's result."""
+    check_rules_complete(data)
     table = data.table()
     acc = table.groupby("rule")["final.test_acc"].agg(["mean", "std"]) * 100
     bill = compute_bill(table, data.runs_dir)

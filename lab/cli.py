@@ -375,11 +375,15 @@ def _report(args) -> int:
         result = execute(notebook, out / protocol.name, params, record=False)
     except (ConfigError, NotebookError) as exc:
         return _error(exc)
-    html = render_html(result.notebook, out / f"{protocol.name}.html")
+    # A failed report (e.g. incomplete data) never overwrites the last good one.
+    name = protocol.name if result.ok else f"{protocol.name}.failed"
+    html = render_html(result.notebook, out / f"{name}.html")
     if result.error:
         print(f"error: the report notebook failed: {result.error}", file=sys.stderr)
+        print(f"the failed notebook: {html.resolve()}")
+        return 1
     print(f"report: {html.resolve()}")
-    return 0 if result.ok else 1
+    return 0
 
 
 def _params_args(parser) -> None:

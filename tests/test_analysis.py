@@ -201,16 +201,22 @@ def test_summary_notebook_records_the_summary(tmp_path):
 
 
 def test_report_refuses_incomplete_data(fixture_copy, tmp_path, capsys):
-    shutil.rmtree(fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1")
     reports = tmp_path / "reports"
-    code = cli_main(["report", str(fixture_copy / "protocol.yaml"), "--notebook", str(SUMMARY),
-                     "--out", str(reports)])
+    args = ["report", str(fixture_copy / "protocol.yaml"), "--notebook", str(SUMMARY),
+            "--out", str(reports)]
+    assert cli_main(args) == 0  # complete: the report
+    good = (reports / "fixture.html").read_text()
+    capsys.readouterr()
+    shutil.rmtree(fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1")
+    code = cli_main(args)
     captured = capsys.readouterr()
     assert code == 1
     assert "IncompleteProtocolError" in captured.err and "lr-0.2_rule-bp_seed-1" in captured.err
-    html = reports / "fixture.html"
-    assert f"report: {html.resolve()}" in captured.out
-    assert "1 of 4 runs missing" in html.read_text()
+    # The failed notebook goes beside the last good report, which it never replaces.
+    failed = reports / "fixture.failed.html"
+    assert f"the failed notebook: {failed.resolve()}" in captured.out
+    assert "1 of 4 runs missing" in failed.read_text()
+    assert (reports / "fixture.html").read_text() == good
 
 
 def test_report_renders_html(tmp_path, capsys):

@@ -83,3 +83,25 @@ def test_compute_bill_per_rule(runs):
     assert bill.loc["kp", "feedback_update"] == forward - stem
     assert (bill["total"] == bill.drop(columns="total").sum(axis=1)).all()
     assert len(compare.bill_bars(bill).axes[0].patches) == bill.shape[0] * (bill.shape[1] - 1)
+
+
+def test_rules_table_refuses_incomplete_data(tmp_path):
+    # A mean over the runs that happen to exist is not the protocol's result: the
+    # README's table refuses a protocol with a run missing, naming it.
+    import shutil
+    from pathlib import Path
+
+    from analysis import IncompleteProtocolError, load_protocol_runs
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "rules"
+    target = tmp_path / "rules"
+    shutil.copytree(fixture, target)
+    protocol = target / "protocol.yaml"
+    protocol.write_text(protocol.read_text().replace(
+        "../../../notebooks", str(Path(__file__).resolve().parents[1] / "notebooks")))
+    complete = compare.rules_table(load_protocol_runs(protocol))
+    assert len(complete) > 1
+    victim = sorted(p for p in (target / "runs").iterdir() if p.is_dir())[0]
+    shutil.rmtree(victim)
+    with pytest.raises(IncompleteProtocolError, match=rf"runs missing: .*{victim.name}"):
+        compare.rules_table(load_protocol_runs(protocol))
