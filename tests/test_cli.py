@@ -19,6 +19,7 @@ import lab.notebook
 from lab import records, runlock
 from lab.cli import main as cli_main
 from lab.cli import runs_table
+from lab.config import ConfigError
 from lab.data import DataError, load_dataset, train_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,3 +378,20 @@ def test_runs_moved_aside_are_left_out_of_load_runs_and_load_metrics(tmp_path):
     # Asked for by its own path, an old run loads.
     old = tmp_path / "r.old-20261130T170000Z"
     assert list(records.load_runs(old)["final.loss"]) == [2.0]
+
+
+def test_onecycle_with_too_few_steps_is_refused_not_run_constant(tmp_path, capsys, no_kernel):
+    # 1 epoch x ceil(256 / 128) = 2 steps: torch's one-cycle cannot run; a constant rate
+    # recorded as 'onecycle' would be a record that lies.
+    args = ["run", str(TRAIN), "--out", str(tmp_path / "r"), "-p", "n_train", "256",
+            "-p", "epochs", "1", "-p", "batch_size", "128"]
+    assert cli_main(args) == 2
+    assert ("ConvConfig.schedule='onecycle' needs at least 4 optimizer steps; this run has 2 "
+            "(epochs=1 x ceil(256 training examples / batch_size=128)); use "
+            "schedule='constant' or 'cosine'") in _one_paragraph(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
+    from lab.train import ConvConfig, train_conv
+
+    with pytest.raises(ConfigError, match=r"this run has 2 "):
+        train_conv(ConvConfig(n_train=256, epochs=1, batch_size=128), tmp_path / "py")
+    assert not (tmp_path / "py").exists()

@@ -37,6 +37,7 @@ from ..rules import RULES, make_rule, resolve_params, rule_class
 from ..rules.base import check_example_needs
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,15 @@ class ConvConfig:
             raise ConfigError(f"ConvConfig.alignment_batch={self.alignment_batch} but the "
                               f"training set has only {available} examples (the probe batch "
                               f"is drawn from it); allowed: 1 to {available}")
+        steps = self.epochs * math.ceil(available / self.batch_size)
+        if self.schedule == "onecycle" and steps < ONECYCLE_MIN_STEPS:
+            # torch's one-cycle needs a step in each phase; a constant rate under the
+            # name onecycle would make the record lie about what ran.
+            raise ConfigError(
+                f"ConvConfig.schedule='onecycle' needs at least {ONECYCLE_MIN_STEPS} optimizer "
+                f"steps; this run has {steps} (epochs={self.epochs} x ceil({available} "
+                f"training examples / batch_size={self.batch_size})); use schedule='constant' "
+                "or 'cosine', more epochs or a smaller batch_size")
 
 
 def _evaluate(model, split, batch_size) -> tuple[float, float]:
@@ -141,7 +151,11 @@ def _evaluate(model, split, batch_size) -> tuple[float, float]:
 
 
 def _scheduler(config: ConvConfig, optimizer, total_steps: int):
-    if config.schedule == "onecycle" and total_steps >= 4:
+    if config.schedule == "onecycle":
+        if total_steps < ONECYCLE_MIN_STEPS:  # preflight refuses it; a direct call too
+            raise ConfigError(f"ConvConfig.schedule='onecycle' needs at least "
+                              f"{ONECYCLE_MIN_STEPS} optimizer steps; this run has "
+                              f"{total_steps}")
         # torch needs at least one step in each phase of the cycle.
         pct = min(max(config.warmup_fraction, 1.5 / total_steps), 1 - 1.5 / total_steps)
         return torch.optim.lr_scheduler.OneCycleLR(
@@ -260,6 +274,7 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there, and a checkpoint left by an
     interrupted run of the same config is picked up where it stopped.
     """
+    config.preflight()  # what the data decides, before anything is made
     run = build_run(config)
     life = Lifecycle(kind="conv", config=config, expect=expectation(config), parts=parts(run),
                      out_dir=out_dir, run_id=run_id, device=str(run.device),
