@@ -143,6 +143,12 @@ def _load(part, state) -> None:
         part.load_state_dict(state)
 
 
+def _differences(then: dict, now: dict, sep: str) -> str:
+    """``"key: <then> there vs <now> now"`` for each key whose values differ, joined."""
+    return sep.join(f"{k}: {then.get(k)!r} there vs {now.get(k)!r} now"
+                    for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
+
+
 @dataclass
 class Lifecycle:
     """One run's life on disk (or in memory with ``out_dir=None``); see the module docstring."""
@@ -253,10 +259,8 @@ class Lifecycle:
         # Compared as stored (NaN == NaN there), which is also how a resumed record reads.
         saved = records.encode_nonfinite(identity(saved_config.get("config", saved_config)))
         now = records.encode_nonfinite(identity(self.config_dict))
-        differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        if differ:
-            detail = ", ".join(f"{k}: {saved.get(k)!r} there vs {now.get(k)!r} now"
-                               for k in differ)
+        detail = _differences(saved, now, ", ")
+        if detail:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run with a different config ({detail}); "
                 "use another output directory, or move this one aside to start afresh")
@@ -265,11 +269,8 @@ class Lifecycle:
         # A run (or checkpoint) from before data was declared holds none: nothing to compare.
         if saved is None or self.data is None:
             return
-        then, now = dict(_leaves("", saved)), dict(_leaves("", self.data))
-        differ = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
-        if differ:
-            detail = "; ".join(f"{k}: {then.get(k)!r} there vs {now.get(k)!r} now"
-                               for k in differ)
+        detail = _differences(dict(_leaves("", saved)), dict(_leaves("", self.data)), "; ")
+        if detail:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run trained on other data ({detail}); resuming "
                 "would mix two datasets in one run. Restore the data the run began with, or "

@@ -717,24 +717,13 @@ def test_seed_is_bounded_by_what_torch_accepts():
                               "allowed: [0, 9223372036854775807]")
 
 
-def test_train_wall_time_covers_every_session(tmp_path, monkeypatch):
+def test_train_wall_time_covers_every_session(tmp_path, slow_steps):
     """After a resume, train_wall_s is the whole run's (beside whole-run step counts)."""
     config = _config(steps=6, checkpoint_every=2, eval_every=0)
-    real = cfc_aux.train_step
-
-    def slow(run, step):
-        time.sleep(0.1)
-        return real(run, step)
-
-    def interrupted(run, step):
-        if step == 4:
-            raise KeyboardInterrupt
-        return slow(run, step)
-
-    monkeypatch.setattr(cfc_aux, "train_step", interrupted)
+    slow_steps(cfc_aux, stop_at=4)
     with pytest.raises(KeyboardInterrupt):
         train_cfc_aux(config, tmp_path / "run")
-    monkeypatch.setattr(cfc_aux, "train_step", slow)
+    slow_steps(cfc_aux)
     record = train_cfc_aux(config, tmp_path / "run")
     assert record["work"]["optimizer_steps"] == 6
     # Six rows of >= 0.1 s; the last session alone ran two (about 0.2 s).

@@ -882,26 +882,15 @@ def test_the_bill_charges_each_step_at_the_K_it_ran_and_the_cosine_pass_apart():
     assert work["ep_macs_total"] < 12 * nominal["ep"]["macs"]  # K fell below 3 on some steps
 
 
-def test_train_wall_time_covers_every_session(tmp_path, monkeypatch):
+def test_train_wall_time_covers_every_session(tmp_path, slow_steps):
     """A resumed run's train_wall_s is the whole run's, not the last session's."""
     config = _tiny(steps=6, eval_every=0, cosine_every=0, checkpoint_every=2, warmup_steps=0)
-    real = ep_module.train_step
-
-    def slow(run, step):
-        time.sleep(0.1)
-        return real(run, step)
-
-    def interrupted(run, step):
-        if step == 4:
-            raise KeyboardInterrupt
-        return slow(run, step)
-
-    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    slow_steps(ep_module, stop_at=4)
     with pytest.raises(KeyboardInterrupt):
         train_ep(config, tmp_path / "run")
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert saved["rows"] == 4 and saved["wall_s"] >= 0.4  # four slow rows, carried
-    monkeypatch.setattr(ep_module, "train_step", slow)
+    slow_steps(ep_module)
     resumed = train_ep(config, tmp_path / "run")
     # Six rows of >= 0.1 s each; the last session alone ran two (about 0.2 s).
     assert 0.6 <= resumed["work"]["train_wall_s"] < 60
