@@ -11,24 +11,24 @@ os.environ.setdefault("LAB_DATA_DIR", os.path.join(os.path.dirname(__file__), ".
 
 
 @pytest.fixture
-def slow_steps(monkeypatch):
-    """``slow_steps(module, stop_at=None)``: ``module.train_step`` made 0.1 s slower per
-    step, raising KeyboardInterrupt at step ``stop_at`` (a kill mid-run); call again to
-    resume at the same pace. For the wall-time-across-sessions tests of each trainer."""
+def train_steps(monkeypatch):
+    """``train_steps(module, stop_at=None, delay=0.0)``: ``module.train_step`` raising
+    KeyboardInterrupt at step ``stop_at`` (a kill mid-run) and ``delay`` seconds slower
+    per step; call again (without ``stop_at``) to resume. For the trainers' resume tests."""
     import time
 
     real = {}
 
-    def patch(module, stop_at=None):
+    def patch(module, stop_at=None, delay=0.0):
         step_fn = real.setdefault(module, module.train_step)
 
-        def slow(run, step):
-            if step == stop_at:
+        def step(run, index):
+            if index == stop_at:
                 raise KeyboardInterrupt
-            time.sleep(0.1)
-            return step_fn(run, step)
+            time.sleep(delay)
+            return step_fn(run, index)
 
-        monkeypatch.setattr(module, "train_step", slow)
+        monkeypatch.setattr(module, "train_step", step)
 
     return patch
 

@@ -171,20 +171,13 @@ def test_no_lift_after_the_window():
     assert all(v > 0.85 for v in last["aux_acc_ema"].values())
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_equals_an_uninterrupted_run(tmp_path, train_steps):
     config = _config(steps=12, checkpoint_every=5, lift_huber=50.0, lift_acc=0.0, lift_window=0)
     whole = train_cfc_aux(config)
-    real_step = cfc_aux.train_step
-
-    def interrupted(run, step):
-        if step == 8:
-            raise KeyboardInterrupt
-        return real_step(run, step)
-
-    monkeypatch.setattr(cfc_aux, "train_step", interrupted)
+    train_steps(cfc_aux, stop_at=8)
     with pytest.raises(KeyboardInterrupt):
         train_cfc_aux(config, tmp_path / "run")
-    monkeypatch.setattr(cfc_aux, "train_step", real_step)
+    train_steps(cfc_aux)
     resumed = train_cfc_aux(config, tmp_path / "run")
     assert resumed["status"] == "complete"
     assert resumed["steps"] == whole["steps"]
@@ -717,13 +710,13 @@ def test_seed_is_bounded_by_what_torch_accepts():
                               "allowed: [0, 9223372036854775807]")
 
 
-def test_train_wall_time_covers_every_session(tmp_path, slow_steps):
+def test_train_wall_time_covers_every_session(tmp_path, train_steps):
     """After a resume, train_wall_s is the whole run's (beside whole-run step counts)."""
     config = _config(steps=6, checkpoint_every=2, eval_every=0)
-    slow_steps(cfc_aux, stop_at=4)
+    train_steps(cfc_aux, stop_at=4, delay=0.1)
     with pytest.raises(KeyboardInterrupt):
         train_cfc_aux(config, tmp_path / "run")
-    slow_steps(cfc_aux)
+    train_steps(cfc_aux, delay=0.1)
     record = train_cfc_aux(config, tmp_path / "run")
     assert record["work"]["optimizer_steps"] == 6
     # Six rows of >= 0.1 s; the last session alone ran two (about 0.2 s).

@@ -316,20 +316,13 @@ def test_run_holds_what_it_declares(tmp_path):
     assert rows[0]["train_loss"] == pytest.approx(rows[0]["bp_train_loss"], rel=1e-6)
 
 
-def test_interrupted_run_resumes_to_the_same_record(tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_the_same_record(tmp_path, train_steps):
     config = _tiny(steps=5, eval_every=2, checkpoint_every=2)
     whole = train_ep(config, tmp_path / "whole")
-    real = ep_module.train_step
-
-    def interrupted(run, step):
-        if step == 3:
-            raise KeyboardInterrupt  # a kill after the checkpoint at 2 rows
-        return real(run, step)
-
-    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    train_steps(ep_module, stop_at=3)  # a kill after the checkpoint at 2 rows
     with pytest.raises(KeyboardInterrupt):
         train_ep(config, tmp_path / "cut")
-    monkeypatch.setattr(ep_module, "train_step", real)
+    train_steps(ep_module)
     resumed = train_ep(config, tmp_path / "cut")
     assert records.without_timings(resumed["steps"]) == records.without_timings(whole["steps"])
     assert resumed["final"] == whole["final"]
@@ -686,16 +679,9 @@ def test_trainer_record_names_baseline_progress_and_bill(tmp_path, capsys):
     assert quiet["run_id"] == "in-memory" and capsys.readouterr().err == ""
 
 
-def test_checkpoints_follow_checkpoint_every(tmp_path, monkeypatch):
+def test_checkpoints_follow_checkpoint_every(tmp_path, train_steps):
     config = _tiny(steps=5, eval_every=0, cosine_every=0, checkpoint_every=2)
-    real = ep_module.train_step
-
-    def interrupted(run, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real(run, step)
-
-    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    train_steps(ep_module, stop_at=3)
     with pytest.raises(KeyboardInterrupt):
         train_ep(config, tmp_path / "cut")
     saved = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
@@ -746,7 +732,7 @@ def test_lab_run_refuses_a_missing_text_file_with_exit_2_creating_nothing(tmp_pa
 
 
 def test_record_identifies_the_text_and_a_resume_on_changed_text_is_refused(tmp_path,
-                                                                            monkeypatch):
+                                                                            train_steps):
     import hashlib
 
     from lab.lifecycle import CheckpointError
@@ -755,17 +741,10 @@ def test_record_identifies_the_text_and_a_resume_on_changed_text_is_refused(tmp_
     _corpus(corpus, 0)
     config = _tiny(text_path=str(corpus), steps=5, eval_every=0, cosine_every=0,
                    checkpoint_every=2)
-    real = ep_module.train_step
-
-    def interrupted(run, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real(run, step)
-
-    monkeypatch.setattr(ep_module, "train_step", interrupted)
+    train_steps(ep_module, stop_at=3)
     with pytest.raises(KeyboardInterrupt):
         train_ep(config, tmp_path / "run")
-    monkeypatch.setattr(ep_module, "train_step", real)
+    train_steps(ep_module)
     raw = corpus.read_bytes()
     saved = records.load_record(tmp_path / "run")["data"]
     assert saved == {"text": {"path": str(corpus), "size": len(raw),
@@ -882,15 +861,15 @@ def test_the_bill_charges_each_step_at_the_K_it_ran_and_the_cosine_pass_apart():
     assert work["ep_macs_total"] < 12 * nominal["ep"]["macs"]  # K fell below 3 on some steps
 
 
-def test_train_wall_time_covers_every_session(tmp_path, slow_steps):
+def test_train_wall_time_covers_every_session(tmp_path, train_steps):
     """A resumed run's train_wall_s is the whole run's, not the last session's."""
     config = _tiny(steps=6, eval_every=0, cosine_every=0, checkpoint_every=2, warmup_steps=0)
-    slow_steps(ep_module, stop_at=4)
+    train_steps(ep_module, stop_at=4, delay=0.1)
     with pytest.raises(KeyboardInterrupt):
         train_ep(config, tmp_path / "run")
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert saved["rows"] == 4 and saved["wall_s"] >= 0.4  # four slow rows, carried
-    slow_steps(ep_module)
+    train_steps(ep_module, delay=0.1)
     resumed = train_ep(config, tmp_path / "run")
     # Six rows of >= 0.1 s each; the last session alone ran two (about 0.2 s).
     assert 0.6 <= resumed["work"]["train_wall_s"] < 60
