@@ -79,6 +79,21 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
+def _clashes(out: torch.Tensor, tensors) -> bool:
+    """Whether contiguous ``out`` overlaps any contiguous ``tensors`` other than as the very
+    same view (the fast paths' cheap check; the checked path names the argument)."""
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    for t in tensors:
+        if t is None:
+            continue
+        p = t.data_ptr()
+        if p < hi and lo < p + t.numel() * t.element_size() and not (
+                p == lo and t.shape == out.shape):
+            return True
+    return False
+
+
 def _refuse_overlap(written: str, w: torch.Tensor, others: dict, exact_ok: bool) -> None:
     """A tensor written in place must not share memory with another argument: the
     kernels read and write in their own order, so the result would depend on it
@@ -92,9 +107,9 @@ def _refuse_overlap(written: str, w: torch.Tensor, others: dict, exact_ok: bool)
         same = (t.data_ptr() == w.data_ptr() and t.shape == w.shape
                 and t.stride() == w.stride())
         if t_lo < hi and lo < t_hi and not (exact_ok and same):
-            raise ValueError(f"{name} ({_describe(t)}) shares memory with {written} "
-                             f"({_describe(w)}), which is written in place; pass a copy "
-                             f"({name}.clone())")
+            raise ValueError(f"{name} ({_describe(t)}) overlaps {written} "
+                             f"({_describe(w)}) in memory (their address ranges cross), and "
+                             f"{written} is written in place; pass a copy ({name}.clone())")
 
 
 def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +131,11 @@ def _scalar(name: str, x, dtype: torch.dtype | None = None) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number (python float or a 0-d tensor), got "
                         f"{x!r} ({type(x).__name__})")
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} must be finite, got an integer of {len(str(x))} digits") \
+            from None
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
     if dtype is not None and abs(x) > torch.finfo(dtype).max:
@@ -124,6 +143,12 @@ def _scalar(name: str, x, dtype: torch.dtype | None = None) -> float:
                          f"{torch.finfo(dtype).max:.6g}); the kernels work in the inputs' "
                          f"dtype")
     return x
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def _form(backend: str, device: torch.device) -> str:
@@ -207,7 +232,9 @@ def _cpu_views(*tensors):
 
 def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
     """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None."""
-    if type(gain) not in (float, int) or not math.isfinite(gain):  # a bool is no gain
+    # A bool is no gain; abs() < inf is False for NaN and inf and, unlike isfinite, never
+    # overflows on a huge int (the dtype check below sends that to the checked path).
+    if type(gain) not in (float, int) or not abs(gain) < math.inf:
         return None
     views = _cpu_views(I, h, C, P, b, *(() if out is None else (out,)))
     if views is None:
@@ -216,6 +243,8 @@ def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
     shape, dt = h_.shape, h_.dtype
     if not abs(gain) <= _LARGEST[dt]:  # g*C would overflow: the checked path says so
         return None
+    if out is not None and _clashes(out, (I, h, C, P, b)):
+        return None  # the checked path names the overlap
     population = len(shape) >= 2 and h_.size > 0 and I_.shape == shape
     per_unit = C_.shape == P_.shape == b_.shape == shape[1:]
     one_dtype = I_.dtype is C_.dtype is P_.dtype is b_.dtype is dt  # numpy's are singletons
@@ -263,6 +292,8 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     given = out  # returned as ``.used`` itself; written through its detached alias
     if out is not None:
         out = _in_place("out", _population("out", out, like=h))
+        # The very same view as I or h is fine: each element is read before it is written.
+        _refuse_overlap("out", out, {"I": I, "h": h, "C": C, "P": P, "b": b}, exact_ok=True)
     form = _form(backend, h.device)
     if form == "torch":
         res = reference.mixed_apical_reference(I, h, C, g, P, b, rule)
@@ -331,12 +362,15 @@ def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scal
     if (any(t is None for t in (I, h, o, C, P, b, mean, invstd, gamma))
             or type(gain) not in (float, int)
             or type(scale) not in (float, int)
-            or not (math.isfinite(gain) and math.isfinite(scale))):
+            or not (abs(gain) < math.inf and abs(scale) < math.inf)
+            or type(instruction) is not bool or type(masked) is not bool):
         return None
     views = _cpu_views(I, h, o, C, P, b, mean, invstd, gamma, *(() if out is None else (out,)))
     if views is None:
         return None
     I_, h_, o_, C_, P_, b_, m_, s_, g_, out_ = views if out is not None else (*views, None)
+    if out is not None and _clashes(out, (I, h, o, C, P, b, mean, invstd, gamma)):
+        return None  # the checked path names the overlap
     shape, dt = h_.shape, h_.dtype
     if (not (abs(gain) <= _LARGEST[dt] and abs(scale) <= _LARGEST[dt])
             or len(shape) < 2 or h_.size == 0 or I_.shape != shape or o_.shape != shape
@@ -393,8 +427,12 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     h = _population("h", h)
     I = _population("I", I, like=h)  # noqa: E741
-    o = h if mean is None else _population("o", o, like=h)
+    # Without a norm o is not read (L(X) needs only the mask and scale); given, it must
+    # still be the population's shape, or a caller's mistake would pass unseen.
+    o = _population("o", o, like=h) if (o is not None or mean is not None) else None
+    o = h if mean is None else o
     C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
+    instruction, masked = _flag("instruction", instruction), _flag("masked", masked)
     if (mean is None) != (invstd is None) or (mean is None and gamma is not None):
         raise ValueError("mean and invstd come together (the norm's batch statistics), and "
                          "gamma only with them; pass none of the three for a layer without "
@@ -406,6 +444,9 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     given = out
     if out is not None:
         out = _in_place("out", _population("out", out, like=h))
+        _refuse_overlap("out", out, {"I": I, "h": h, "o": o, "C": C, "P": P, "b": b,
+                                     "mean": mean, "invstd": invstd, "gamma": gamma},
+                        exact_ok=True)
     form = _form(backend, h.device)
     if form == "torch":
         res = reference.mixed_local_reference(I, h, o, C, g, P, b, rule, mean, invstd, gamma,
@@ -481,7 +522,7 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     b = _in_place("b", _per_unit("b", b, h))
     _refuse_overlap("P", P, {"b": b, "h": h, "T": T}, exact_ok=False)
     _refuse_overlap("b", b, {"h": h, "T": T}, exact_ok=False)
-    lr = _scalar("eta", eta)
+    lr = _scalar("eta", eta, h.dtype)
     form = _form(backend, h.device)
     if form == "torch":
         return reference.predictor_update_reference(h, T, P, b, lr)
