@@ -721,3 +721,36 @@ def test_train_wall_time_covers_every_session(tmp_path, train_steps):
     assert record["work"]["optimizer_steps"] == 6
     # Six rows of >= 0.1 s; the last session alone ran two (about 0.2 s).
     assert 0.6 <= record["work"]["train_wall_s"] < 60
+
+
+def test_csv_settings_without_the_csv_source_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^CfCAuxConfig.csv_path='.*missing.csv' / column='' "
+                                          r"are read only with source='csv' \(source is "
+                                          r"'vega'\)"):
+        CfCAuxConfig(source="vega", csv_path=str(tmp_path / "missing.csv"))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("column", "has no column 'price'"),
+    ("short", "too short"),
+])
+def test_a_series_the_run_cannot_use_is_refused_before_a_kernel(tmp_path, capsys, monkeypatch,
+                                                                case, message):
+    from pathlib import Path
+
+    import lab.notebook
+    from lab.cli import main as cli_main
+
+    monkeypatch.setattr(lab.notebook, "_papermill",
+                        lambda *a, **k: pytest.fail("a kernel was started"))
+    path = tmp_path / "p.csv"
+    rows = 2000 if case == "column" else 12
+    path.write_text("close\n" + "\n".join(str(100 + i % 7) for i in range(rows)) + "\n")
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "03-train-cfc-aux.ipynb"
+    out = tmp_path / "r"
+    column = "price" if case == "column" else "close"
+    assert cli_main(["run", str(notebook), "--out", str(out), "-p", "source", "csv",
+                     "-p", "csv_path", str(path), "-p", "column", column]) == 2
+    err = capsys.readouterr().err
+    assert "error: CfCAuxConfig: " in err and message in err
+    assert not out.exists()

@@ -873,3 +873,28 @@ def test_train_wall_time_covers_every_session(tmp_path, train_steps):
     resumed = train_ep(config, tmp_path / "run")
     # Six rows of >= 0.1 s each; the last session alone ran two (about 0.2 s).
     assert 0.6 <= resumed["work"]["train_wall_s"] < 60
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty; a corpus needs text"),
+    (b"abc" * 10, "is too short: 30 characters"),
+    (b"\xff\xfe\x00bad" * 400, "UTF-8"),
+])
+def test_a_text_the_run_cannot_use_is_refused_before_a_kernel(tmp_path, capsys, monkeypatch,
+                                                              content, message):
+    import lab.notebook
+    from lab.cli import main as cli_main
+
+    monkeypatch.setattr(lab.notebook, "_papermill",
+                        lambda *a, **k: pytest.fail("a kernel was started"))
+    text = tmp_path / "t.txt"
+    text.write_bytes(content)
+    out = tmp_path / "r"
+    assert cli_main(["run", str(EP_NOTEBOOK), "--out", str(out), "-p", "text_path",
+                     str(text)]) == 2
+    err = capsys.readouterr().err
+    assert "error: EPConfig: " in err and message in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=message):  # the Python API refuses it alike
+        train_ep(_tiny(text_path=str(text)), tmp_path / "py")
+    assert not (tmp_path / "py").exists()

@@ -144,6 +144,22 @@ class CfCAuxConfig:
         if self.units % self.main_buckets:
             raise ConfigError(f"CfCAuxConfig.main_buckets={self.main_buckets} must divide "
                               f"units={self.units}")
+        if self.source != "csv" and (self.csv_path or self.column):
+            raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} / column="
+                              f"{self.column!r} are read only with source='csv' (source is "
+                              f"{self.source!r}); leave them empty or set source='csv'")
+
+    def preflight(self) -> None:
+        """What the price series decides, before a run starts (``lab run``, a sweep's
+        pre-check, ``train_cfc_aux``): a readable CSV with the column, long enough for the
+        window, sequence and horizons in both splits."""
+        try:
+            prices, name = load_prices(self)
+            MultiHorizonLoader(prices, window=self.window, seq_len=self.seq_len,
+                               horizons=self.horizons, main_horizon=self.main_horizon,
+                               val_fraction=self.val_fraction, name=name)
+        except (DataError, OSError) as err:
+            raise ConfigError(f"CfCAuxConfig: {err}") from None
 
 
 def load_prices(config: CfCAuxConfig):
@@ -408,6 +424,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there and an interrupted run of the same config
     resumes from its last checkpoint.
     """
+    config.preflight()  # what the data decides, before anything is made
     run = build_run(config)
     life = Lifecycle(kind="cfc_aux", config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),

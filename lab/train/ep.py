@@ -148,6 +148,14 @@ class EPConfig:
                               f"steps={self.steps}: the learning rate would still be warming up "
                               "when the run ends; use warmup_steps <= steps")
 
+    def preflight(self) -> None:
+        """What the text decides, before a run starts (``lab run``, a sweep's pre-check,
+        ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits."""
+        try:
+            load_corpus(self.text_path, seq_len=self.seq_len, val_fraction=VAL_FRACTION)
+        except (TextError, OSError) as err:
+            raise ConfigError(f"EPConfig: {err}") from None
+
 
 def _check_beta(config: EPConfig) -> None:
     """beta (and a cosine schedule's end value) large enough to move the states at all."""
@@ -572,6 +580,7 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
     """
     from ..lifecycle import Lifecycle
 
+    config.preflight()  # what the text decides, before anything is made
     run = build_ep(config)
     with Lifecycle(kind="ep", config=config, expect=expectation(config), out_dir=out_dir,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
