@@ -647,6 +647,15 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         status = f"{_article(state.status)} {state.status}"
         reason, problem = "stale", (f"{status} run with other parameters "
                                     f"({'; '.join(diffs)})" if diffs else None)
+        if problem is None and state.status in ("complete", "diverged"):
+            # Same parameters, but a data file it read has changed since: its results are
+            # not those of these parameters any more. (A run in progress is checked by the
+            # lifecycle when it resumes.)
+            from .data.identity import changed_files  # (lab.data imports torch: lazily)
+
+            changed = changed_files(state.record.get("data"))
+            if changed:
+                problem = f"{status} run whose data changed since ({'; '.join(changed)})"
     if problem:
         if replace == "never":
             raise RunConflict(

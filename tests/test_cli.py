@@ -395,3 +395,29 @@ def test_onecycle_with_too_few_steps_is_refused_not_run_constant(tmp_path, capsy
     with pytest.raises(ConfigError, match=r"this run has 2 "):
         train_conv(ConvConfig(n_train=256, epochs=1, batch_size=128), tmp_path / "py")
     assert not (tmp_path / "py").exists()
+
+
+def test_a_finished_run_whose_data_file_changed_is_not_done(tmp_path):
+    # Same parameters, other data: rerunning must not say "nothing to do".
+    from lab.data.identity import changed_files, file_identity
+    from lab.notebook import Resolved, RunConflict, decide
+
+    data = tmp_path / "prices.csv"
+    data.write_text("close\n1\n2\n")
+    run = tmp_path / "run"
+    record = records.new_record(run_id="run", kind="notebook", config={"x": 1})
+    record["status"] = "complete"
+    record["data"] = {"csv": file_identity(data), "split": {"n_train": 2}}
+    records.save_run(run, record)
+    resolved = Resolved({}, {"x": 1}, full=False)
+    assert decide(run, resolved, "never")[0] == "done"
+    data.write_text("close\n1\n3\n")  # same size, other content
+    assert changed_files(record["data"]) == [f"{data}: same size, other content (sha256)"]
+    with pytest.raises(RunConflict, match=r"already holds a complete run whose data changed "
+                                          r"since \(.*prices.csv: same size, other content"):
+        decide(run, resolved, "never")
+    assert decide(run, resolved, "always")[0] == "replace"  # --force moves it aside
+    data.write_text("close\n1\n2\n3\n")
+    assert changed_files(record["data"]) == [f"{data}: size 10 then, 12 now"]
+    data.unlink()
+    assert changed_files(record["data"]) == [f"{data}: the file is gone"]

@@ -36,3 +36,27 @@ def file_identity(path: str | Path) -> dict:
             digest.update(chunk)
             size += len(chunk)
     return {"path": str(path), "size": size, "sha256": digest.hexdigest()}
+
+
+def changed_files(data) -> list[str]:
+    """``"<path>: <what> changed"`` for every file identity in a record's ``data`` (any
+    nesting) that no longer matches the file: gone, another size, another sha256. The
+    hash is taken only when the size still matches."""
+    changes = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if {"path", "size", "sha256"} <= set(node):
+                path = Path(node["path"])
+                if not path.is_file():
+                    changes.append(f"{path}: the file is gone")
+                elif path.stat().st_size != node["size"]:
+                    changes.append(f"{path}: size {node['size']} then, {path.stat().st_size} now")
+                elif file_identity(path)["sha256"] != node["sha256"]:
+                    changes.append(f"{path}: same size, other content (sha256)")
+                return
+            for value in node.values():
+                walk(value)
+
+    walk(data)
+    return changes
