@@ -289,7 +289,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     target = Path(target)
     expected = None
     if target.suffix in (".yaml", ".yml"):
-        from .sweep import expand, load_protocol, mark_stale
+        from .sweep import expand, load_protocol, mark_stale, stale_runs
 
         protocol = load_protocol(target, configs=False)  # listing runs made, not making them
         specs = expand(protocol)
@@ -311,7 +311,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
     runs, unreadable = _run_rows(dirs)
     if expected is not None:
-        runs = mark_stale(runs, specs)
+        runs = mark_stale(runs, specs, stale_runs(protocol))  # the whole check: defaults too
         found = set(runs["run_id"]) | {d.name for d, _ in unreadable}
         missing = [rid for rid in expected if rid not in found]
         runs = pd.concat([runs, pd.DataFrame({"run_id": missing, "status": "missing",
@@ -360,7 +360,7 @@ def _runs(args) -> int:
 
 def _report(args) -> int:
     from .notebook import NotebookError, execute, render_html
-    from .sweep import load_protocol
+    from .sweep import load_protocol, stale_runs
 
     try:
         protocol = load_protocol(args.protocol, configs=False)  # reads runs, makes none
@@ -368,6 +368,13 @@ def _report(args) -> int:
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "
                                 "`report: <path>` to it or pass --notebook")
+        if not args.runs:  # (another runs directory is the caller's to vouch for)
+            stale = stale_runs(protocol)
+            if stale:
+                raise NotebookError(
+                    f"{len(stale)} run(s) of {protocol.source} are not what the protocol asks "
+                    "now, so no report was made (rerun them with `lab sweep --force`):\n"
+                    + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
         params = {"protocol": protocol.source}
         if args.runs:
             params["runs_dir"] = str(Path(args.runs).resolve())

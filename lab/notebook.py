@@ -294,7 +294,7 @@ class Resolved:
 
 
 def resolve_parameters(notebook, params: Mapping | None = None,
-                       spec: NotebookSpec | None = None) -> Resolved:
+                       spec: NotebookSpec | None = None, *, preflight: bool = True) -> Resolved:
     """Check ``params`` against the notebook before anything runs.
 
     Unknown names are refused; with a config class (``metadata["lab_config"]``)
@@ -317,7 +317,8 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     try:
         config = from_dict(cls, {k: v for k, v in merged.items() if k in fields})
         # What the data or machine decides (dataset sizes, files): still before a kernel.
-        getattr(config, "preflight", lambda: None)()
+        if preflight:
+            getattr(config, "preflight", lambda: None)()
     except ConfigError as err:
         if not context:
             raise

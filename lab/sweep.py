@@ -116,6 +116,14 @@ class Protocol:
         if both:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(both)} are both fixed and in "
                                 "the grid; keep each in one place")
+        # A fixed dotted key inside a grid key's dict is applied after it (dotted keys set
+        # leaves last): it would silently override that leaf of every grid value.
+        shadowed = sorted(f"{f} (inside grid key {g})" for f in self.fixed for g in self.grid
+                          if f.startswith(g + "."))
+        if shadowed:
+            raise ProtocolError(f"Protocol.fixed {', '.join(shadowed)} would override that leaf "
+                                "of every grid value; set it inside each grid value instead, or "
+                                "take the key out of the grid")
         self._check_overrides()
         from .notebook import RESERVED  # parameters a sweep sets itself
 
@@ -325,16 +333,50 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
     return out
 
 
-def mark_stale(runs, specs: list[RunSpec]):
-    """``runs`` (load_runs' table) with status ``stale`` and the differences as ``error``
-    for every finished run whose config differs from its spec (see spec_differences)."""
+def stale_runs(protocol: Protocol) -> dict[str, str]:
+    """run_id -> why, for each recorded run of ``protocol`` that is not what the protocol
+    asks now: its whole resolved config (the notebook's defaults included, as a sweep
+    resolves it) differs, or a data file it read has changed since.
+
+    What ``lab runs PROTOCOL`` and ``lab report`` check (it needs the notebook's config
+    class, hence torch); the analysis library's own check (:func:`mark_stale`) is the
+    torch-free part of it. A run's thread count is taken from its record: threads change
+    float rounding, not what was asked.
+    """
+    from .data.identity import changed_files
+    from .notebook import config_differences, notebook_spec, resolve_parameters
+
+    nb = notebook_spec(protocol.notebook)
+    stale = {}
+    for spec in expand(protocol):
+        try:
+            record = records.load_record(Path(protocol.out) / spec.run_id, rows=False)
+        except (records.RecordError, FileNotFoundError, OSError):
+            continue  # missing or unreadable: reported as such elsewhere
+        params = dict(spec.params)
+        if "threads" in nb.declared and "threads" not in params:
+            params["threads"] = record["config"].get("threads", 0)
+        resolved = resolve_parameters(protocol.notebook, params, nb, preflight=False)
+        why = config_differences(record["config"], resolved.config, resolved.full)
+        why += changed_files(record.get("data"))
+        if why:
+            stale[spec.run_id] = "; ".join(why)
+    return stale
+
+
+def mark_stale(runs, specs: list[RunSpec], why: dict[str, str] | None = None):
+    """``runs`` (load_runs' table) with status ``stale`` and the reason as ``error`` for
+    every run in ``why`` (run_id -> reason; default: :func:`spec_differences`, torch-free;
+    :func:`stale_runs` is the whole check)."""
+    if why is None:
+        why = {run_id: "; ".join(diffs) for spec in specs
+               for run_id, diffs in spec_differences(spec, runs).items()}
     runs = runs.copy()
-    for spec in specs:
-        for run_id, diffs in spec_differences(spec, runs).items():
-            at = runs["run_id"] == run_id
-            runs.loc[at, "status"] = "stale"
-            runs.loc[at, "error"] = ("its config differs from the protocol's (" + "; ".join(diffs)
-                                     + "): rerun with `lab sweep --force`")
+    for run_id, reason in why.items():
+        at = runs["run_id"] == run_id
+        runs.loc[at, "status"] = "stale"
+        runs.loc[at, "error"] = (f"it is not what the protocol asks now ({reason}): rerun with "
+                                 "`lab sweep --force`")
     return runs
 
 

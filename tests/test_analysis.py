@@ -330,9 +330,9 @@ def test_runs_of_an_edited_protocol_are_stale_not_results(fixture_copy, capsys):
     with pytest.raises(IncompleteProtocolError) as err:
         data.check_complete(TRAJECTORY, FINAL)
     assert len(err.value.problems) == 4
-    assert ("lr-0.05_rule-bp_seed-0: status 'stale', not 'complete': its config differs from "
-            "the protocol's (epochs: 4 there vs 5 in the protocol; width: 8 there vs 16 in the "
-            "protocol): rerun with `lab sweep --force`") in err.value.problems
+    assert ("lr-0.05_rule-bp_seed-0: status 'stale', not 'complete': it is not what the "
+            "protocol asks now (epochs: 4 there vs 5 in the protocol; width: 8 there vs 16 in "
+            "the protocol): rerun with `lab sweep --force`") in err.value.problems
     assert cli_main(["runs", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count("stale") == 4 and "complete" not in out
@@ -340,3 +340,21 @@ def test_runs_of_an_edited_protocol_are_stale_not_results(fixture_copy, capsys):
     path.write_text((FIXTURE / "protocol.yaml").read_text().replace(
         "../../../notebooks", str(ROOT / "notebooks")).replace("0.2]", "0.20]"))
     load_protocol_runs(path).check_complete(TRAJECTORY, FINAL)
+
+
+def test_a_fixed_key_removed_from_the_protocol_makes_its_runs_stale(fixture_copy, tmp_path,
+                                                                   capsys):
+    # epochs: 4 taken out of the protocol: the notebook's default now applies, so the old
+    # runs are not this protocol's results. `lab runs` and `lab report` resolve the whole
+    # config, defaults included, as a sweep does.
+    path = fixture_copy / "protocol.yaml"
+    path.write_text(path.read_text().replace("  epochs: 4\n", ""))
+    assert cli_main(["runs", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("stale") == 4 and "complete" not in out
+    reports = tmp_path / "reports"
+    assert cli_main(["report", str(path), "--notebook", str(SUMMARY), "--out",
+                     str(reports)]) == 2
+    err = capsys.readouterr().err
+    assert "4 run(s) of" in err and "are not what the protocol asks now, so no report" in err
+    assert "epochs: 4 there vs" in err and not reports.exists()

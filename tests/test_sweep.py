@@ -465,3 +465,15 @@ def test_lab_runs_lists_a_protocol_with_missing_runs(tmp_path, capsys):
     assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "missing"}
     assert list(table["dir"]) == ["x-1", "x-2"]
     assert cli_main(["runs", str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_fixed_leaf_inside_a_grid_dict_is_refused(tmp_path):
+    # Dotted keys are applied last: the fixed leaf would override every grid value's.
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN),
+                          fixed={"rule": "kp_traffic", "rule_params.predictor_warmup_steps": 5},
+                          grid={"rule_params": [{"traffic_rule": "innovation",
+                                                 "predictor_warmup_steps": 7}]})
+    with pytest.raises(ProtocolError, match=r"Protocol.fixed rule_params.predictor_warmup_steps "
+                                            r"\(inside grid key rule_params\) would override "
+                                            r"that leaf of every grid value"):
+        load_protocol(path, configs=False)
