@@ -740,6 +740,13 @@ def _record_paths(root, include_old: bool = False) -> list[Path]:
                                         for part in p.relative_to(root).parts[:-1])]
 
 
+def _old_run_id(root, path: Path) -> dict:
+    """{"run_id": <its directory's name>} for a run moved aside by --force below ``root``
+    (it keeps the run_id of the run that replaced it), else {}."""
+    parts = Path(path).relative_to(root).parts[:-1]
+    return {"run_id": parts[-1]} if parts and MOVED_ASIDE.search(parts[-1]) else {}
+
+
 def _raise_collected(problems: list[tuple[Path, str]], what: str) -> None:
     # Each message already starts with its file's path.
     lines = "\n".join(f"  - {message}" for _, message in problems)
@@ -794,7 +801,8 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     """One row per run under ``root``: base columns, then config.* and final.* columns.
 
     Runs moved aside by ``--force`` (``<run>.old-<time>``, same run_id as the run
-    that replaced them) are left out unless ``include_old`` (or ``root`` is one).
+    that replaced them) are left out unless ``include_old`` (or ``root`` is one); then
+    their run_id is their directory's name, so the two runs stay apart.
 
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
@@ -805,7 +813,8 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     rows, problems = [], []
     for path in _record_paths(root, include_old):
         try:
-            rows.append(_run_row(load_record(path, rows=False), path))
+            rows.append(_run_row(load_record(path, rows=False), path)
+                        | _old_run_id(root, path))
         except RecordError as err:
             problems.append((path, str(err)))
     if problems:
@@ -863,7 +872,7 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     frames, problems = [], []
     for path in _record_paths(root, include_old):
         try:
-            frames.append(run_metrics(path))
+            frames.append(run_metrics(path).assign(**_old_run_id(root, path)))
         except RecordError as err:
             problems.append((path, str(err)))
     if problems:

@@ -85,7 +85,7 @@ def test_every_gap_is_listed_in_one_error(fixture_copy):
     problems = err.value.problems
     assert problems == [
         "1 of 4 runs missing: lr-0.05_rule-bp_seed-1",
-        "lr-0.05_rule-bp_seed-0: status 'running', not 'complete'",
+        "lr-0.05_rule-bp_seed-0: status 'interrupted', not 'complete'",
         "lr-0.05_rule-bp_seed-0: epochs 2-3 missing (has 2 of 4 rows)",
         "lr-0.2_rule-bp_seed-0: field 'train_loss' is non-finite (inf, nan) at epochs 1, 3",
         "lr-0.2_rule-bp_seed-0: field 'val_acc' missing at epochs 2",
@@ -358,3 +358,14 @@ def test_a_fixed_key_removed_from_the_protocol_makes_its_runs_stale(fixture_copy
     err = capsys.readouterr().err
     assert "4 run(s) of" in err and "are not what the protocol asks now, so no report" in err
     assert "epochs: 4 there vs" in err and not reports.exists()
+
+
+def test_a_killed_run_reads_interrupted_in_the_analysis_as_in_lab_runs(fixture_copy):
+    run = fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1"
+    _edit(run, lambda record: record.update(status="running"))  # a kill -9 leaves this
+    data = load_protocol_runs(fixture_copy / "protocol.yaml")
+    status = dict(zip(data.runs["run_id"], data.runs["status"]))
+    assert status["lr-0.2_rule-bp_seed-1"] == "interrupted"
+    with pytest.raises(IncompleteProtocolError, match=r"lr-0.2_rule-bp_seed-1: status "
+                                                      r"'interrupted', not 'complete'"):
+        data.check_complete(TRAJECTORY, FINAL)

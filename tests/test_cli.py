@@ -373,8 +373,12 @@ def test_runs_moved_aside_are_left_out_of_load_runs_and_load_metrics(tmp_path):
         records.save_run(tmp_path / name, record)
     assert list(records.load_runs(tmp_path)["final.loss"]) == [1.0]
     assert list(records.load_metrics(tmp_path)["value"]) == [1.0]
-    assert sorted(records.load_runs(tmp_path, include_old=True)["final.loss"]) == [1.0, 2.0]
-    assert sorted(records.load_metrics(tmp_path, include_old=True)["value"]) == [1.0, 2.0]
+    # Included on request, under their directory's name: the two runs stay apart.
+    both = records.load_runs(tmp_path, include_old=True)
+    assert dict(zip(both["run_id"], both["final.loss"])) == {"r": 1.0,
+                                                             "r.old-20261130T170000Z": 2.0}
+    both = records.load_metrics(tmp_path, include_old=True)
+    assert dict(zip(both["run_id"], both["value"])) == {"r": 1.0, "r.old-20261130T170000Z": 2.0}
     # Asked for by its own path, an old run loads.
     old = tmp_path / "r.old-20261130T170000Z"
     assert list(records.load_runs(old)["final.loss"]) == [2.0]
