@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -379,12 +380,20 @@ def _report(args) -> int:
         if args.runs:
             params["runs_dir"] = str(Path(args.runs).resolve())
         out = Path(args.out)
-        result = execute(notebook, out / protocol.name, params, record=False)
+        # Executed aside, then put in place: a failed report (e.g. incomplete data) never
+        # replaces the last good one, neither its HTML nor its executed notebook.
+        pending = out / f"{protocol.name}.pending"
+        shutil.rmtree(pending, ignore_errors=True)
+        result = execute(notebook, pending, params, record=False)
     except (ConfigError, NotebookError) as exc:
         return _error(exc)
-    # A failed report (e.g. incomplete data) never overwrites the last good one.
     name = protocol.name if result.ok else f"{protocol.name}.failed"
-    html = render_html(result.notebook, out / f"{name}.html")
+    shutil.rmtree(out / name, ignore_errors=True)
+    pending.rename(out / name)
+    html = render_html(out / name / Path(result.notebook).name, out / f"{name}.html")
+    if result.ok:  # a failure reported earlier is resolved: its leftovers would mislead
+        shutil.rmtree(out / f"{protocol.name}.failed", ignore_errors=True)
+        (out / f"{protocol.name}.failed.html").unlink(missing_ok=True)
     if result.error:
         print(f"error: the report notebook failed: {result.error}", file=sys.stderr)
         print(f"the failed notebook: {html.resolve()}")

@@ -217,6 +217,13 @@ def test_report_refuses_incomplete_data(fixture_copy, tmp_path, capsys):
     assert f"the failed notebook: {failed.resolve()}" in captured.out
     assert "1 of 4 runs missing" in failed.read_text()
     assert (reports / "fixture.html").read_text() == good
+    assert "1 of 4 runs missing" in (reports / "fixture.failed" / "notebook.ipynb").read_text()
+    assert "1 of 4 runs missing" not in (reports / "fixture" / "notebook.ipynb").read_text()
+    # Fixed, the report is made again and the failure's leftovers go.
+    shutil.copytree(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-1",
+                    fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1")
+    assert cli_main(args) == 0
+    assert not failed.exists() and not (reports / "fixture.failed").exists()
 
 
 def test_report_renders_html(tmp_path, capsys):
