@@ -331,6 +331,17 @@ def resolve_parameters(notebook, params: Mapping | None = None,
 _ABSENT = object()
 
 
+def _leaf_keys(config: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": 2} -> {"a.b": 1, "c": 2}; an empty dict stays a value."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaf_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[str]:
     """``"field: <then> there vs <now> now"`` for each field that differs.
 
@@ -338,7 +349,10 @@ def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[s
     compares every field of either; otherwise only fields both hold (a notebook
     without a config class may record a config of its own shape).
     """
-    then, now = identity(_as_stored(dict(then))), identity(_as_stored(dict(now)))
+    # Dict parameters compared leaf by leaf: the message names rule_params.x, not two
+    # whole dicts that differ in one key.
+    then = _leaf_keys(identity(_as_stored(dict(then))))
+    now = _leaf_keys(identity(_as_stored(dict(now))))
     keys = set(then) | set(now) if full else set(then) & set(now)
 
     def shown(config, key):
