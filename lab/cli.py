@@ -339,7 +339,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
 
 
 def _runs(args) -> int:
-    from .records import RecordError
+    from .records import MOVED_ASIDE, RecordError
     from .sweep import ProtocolError
 
     try:
@@ -351,12 +351,17 @@ def _runs(args) -> int:
         return 0
     if not table.empty:
         print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    if unreadable:
-        print(f"\n{len(unreadable)} run(s) could not be read:")
-        for where, reason in unreadable:
-            print(f"  {where}: {reason}")
-        return 1
-    return 0
+    # A run --force moved aside was replaced on purpose (often because it was broken):
+    # shown, but it does not make the listing fail.
+    old = [(w, r) for w, r in unreadable if MOVED_ASIDE.search(Path(w).name)]
+    live = [(w, r) for w, r in unreadable if (w, r) not in old]
+    for label, items in (("could not be read", live),
+                         ("moved aside by --force could not be read (not counted)", old)):
+        if items:
+            print(f"\n{len(items)} run(s) {label}:")
+            for where, reason in items:
+                print(f"  {where}: {reason}")
+    return 1 if live else 0
 
 
 def _report(args) -> int:

@@ -257,6 +257,13 @@ def test_one_unreadable_record_does_not_hide_the_table(tmp_path, capsys):
     assert "a" in out.split() and "complete" in out and "failed" in out
     assert "1 run(s) could not be read:" in out
     assert "b: " in out and "not valid JSON" in out
+    # Replaced with --force, the broken run is kept aside: shown, no longer a failure.
+    (tmp_path / "b").rename(tmp_path / "b.old-20261130T170000Z")
+    _record(tmp_path / "b", "complete")
+    assert cli_main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 run(s) moved aside by --force could not be read (not counted):" in out
+    assert "b.old-20261130T170000Z: " in out and "could not be read:\n" not in out
 
 
 def test_runs_on_a_file(tmp_path, capsys):
