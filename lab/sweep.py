@@ -303,21 +303,10 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
     edited protocol must not pass off the runs of its old version as its own. (A sweep
     checks more: the whole resolved config, defaults included.)
     """
-    from .config import DISPLAY_ONLY
+    from .config import identity
+    from .notebook import apply_params  # dotted keys nested as the notebook receives them
 
-    nested: dict = {}
-    for key, value in spec.params.items():
-        if key in DISPLAY_ONLY:
-            continue
-        *path, leaf = key.split(".")
-        target = nested
-        for part in path:
-            target = target.setdefault(part, {})
-        if isinstance(value, dict) and isinstance(target.get(leaf), dict):
-            target[leaf].update(value)
-        else:
-            target[leaf] = value
-    wanted = records.config_columns(nested)
+    wanted = records.config_columns(identity(apply_params({}, spec.params)))
     out = {}
     for row in runs[runs["run_id"] == spec.run_id].to_dict("records"):
         diffs = []
