@@ -551,9 +551,7 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
         views = _cpu_views(dst, src)
         if (views is not None and views[0].shape == views[1].shape
                 and views[0].dtype == views[1].dtype and views[0].size
-                # both contiguous, same size: apart, or one view of the same memory
-                and (dst.data_ptr() == src.data_ptr()
-                     or abs(dst.data_ptr() - src.data_ptr()) >= views[0].nbytes)):
+                and not _clashes(dst, (src,))):  # apart, or the very same view
             cpu.aux_add(views[0].ravel(), views[1].ravel())
             _mark_written(dst)
             return dst
