@@ -167,7 +167,7 @@ def move_aside(run_dir) -> Path:
     """Rename ``run_dir`` to ``<name>.old-<UTC time>`` beside it (never deletes);
     RunLocked if a live process works in it. Returns the new path."""
     run_dir = Path(run_dir).resolve()
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # records.MOVED_ASIDE reads it
     target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
     n = 1
     while target.exists():

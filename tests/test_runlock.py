@@ -117,6 +117,8 @@ def test_move_aside_keeps_the_old_run(tmp_path, other_holder):
     _record(run_dir, "complete")
     again = runlock.move_aside(run_dir)
     assert again != moved and moved.exists() and again.exists()
+    # The loaders leave moved-aside runs out by this pattern: both names must match it.
+    assert records.MOVED_ASIDE.search(moved.name) and records.MOVED_ASIDE.search(again.name)
     _record(run_dir, "running")
     other_holder(run_dir)
     with pytest.raises(runlock.RunLocked):
