@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab import records, runlock
+from lab import records
 from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
 
 from .completeness import check_complete
@@ -108,11 +108,6 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     runs = pd.concat(run_frames, ignore_index=True) if run_frames else \
         pd.DataFrame(columns=list(records.RUN_COLUMNS))
     runs = mark_stale(runs, specs)  # an edited protocol's old runs are not its results
-    # record.json says "running" for a live run and for one whose process was killed; the
-    # lock tells them apart, as in `lab runs`.
-    runs["status"] = [("interrupted" if runlock.holder(path) is None else status)
-                      if status == "running" else status
-                      for status, path in zip(runs["status"], runs["path"])]
     metric_frames = [frame for frame in metric_frames if len(frame)]
     metrics = pd.concat(metric_frames, ignore_index=True) if metric_frames else \
         records.tidy_metrics({"run_id": "none"})

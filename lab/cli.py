@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from .config import ConfigError, load_yaml
+from .config import ConfigError, as_dict, load_yaml, read_yaml_mapping
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -54,31 +54,8 @@ def parse_value(text: str):
 
 
 def _read_parameter_file(path: str) -> dict:
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ParameterFileError(f"parameter file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ParameterFileError(f"parameter file {path} is a directory; give a YAML file "
-                                 "of parameter: value lines") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ParameterFileError(f"parameter file {path} cannot be read as text ({err}); give "
-                                 "a YAML file of parameter: value lines") from None
-    try:
-        loaded = load_yaml(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ParameterFileError(f"parameter file {path} is not valid YAML{where} ({problem}); "
-                                 "give a YAML mapping of parameter: value lines") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
-        raise ParameterFileError(f"parameter file {path} holds a {type(loaded).__name__}, not a "
-                                 "mapping of parameter names to values")
-    return loaded
+    return read_yaml_mapping(path, "parameter file", ParameterFileError,
+                             "a YAML mapping of parameter: value lines")
 
 
 def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> dict:
@@ -119,7 +96,7 @@ def _check_writable(out: Path) -> None:
 
 
 def _interrupted(out) -> int:
-    # Ctrl-C: the record says "interrupted" and the last checkpoint is on disk.
+    # Ctrl-C: the last checkpoint is on disk; `lab runs` reads the unheld run as interrupted.
     print(f"\ninterrupted; run the same command again to resume {out} from its last "
           "checkpoint", file=sys.stderr)
     return 130
@@ -142,7 +119,6 @@ def _replace(force: bool) -> str:
 
 
 def _train(args) -> int:
-    from dataclasses import asdict
 
     from .config import from_dict
     from .notebook import Resolved, apply_params, decide
@@ -154,7 +130,7 @@ def _train(args) -> int:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
         config.preflight()
         _check_writable(out)
-        resolved = Resolved({}, asdict(config), full=True)
+        resolved = Resolved({}, as_dict(config), full=True)
         decision, state = decide(out, resolved, _replace(args.force))
     except ConfigError as exc:
         return _error(exc)
@@ -260,15 +236,11 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     if not frames:
         return pd.DataFrame(columns=list(records.RUN_COLUMNS)), unreadable
     runs = pd.concat(frames, ignore_index=True)
-    # record.json says "running" for a live run and for one whose process was
-    # killed; the lock tells them apart.
+    # load_runs tells a live run from a killed one by its lock; name the live one's pid.
     live = []
     for path, status in zip(runs["path"], runs["status"]):
-        pid = runlock.holder(path)
-        if pid is not None:
-            live.append(f"running (pid {pid})" if pid else "running")
-        else:
-            live.append("interrupted" if status == "running" else status)
+        pid = runlock.holder(path) if status == "running" else None
+        live.append(f"running (pid {pid})" if pid else status)
     return runs.assign(status=live), unreadable
 
 

@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -91,9 +92,40 @@ def _interval(lo, hi, lo_open, hi_open) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's floats: ``1e-3`` is a float, not a string
-    (YAML 1.1, which PyYAML follows, wants ``1.0e-3``; researchers write ``1e-3``)."""
+    """PyYAML's safe loader with YAML 1.2's floats and booleans, refusing repeated keys.
 
+    ``1e-3`` is a float, not a string (YAML 1.1, which PyYAML follows, wants ``1.0e-3``;
+    researchers write ``1e-3``); only true/false are booleans (YAML 1.1 also reads
+    yes/no/on/off, so ``-p augment off`` became False); a key given twice in one mapping
+    is an error naming both lines (PyYAML keeps the last one silently).
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice ({where}); give each key once",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -108,6 +140,41 @@ _Loader.add_implicit_resolver(
 def load_yaml(text: str):
     """Parse a parameter or protocol file (YAML, with 1e-3 read as a float)."""
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) -> dict:
+    """The mapping in the YAML file ``path``; every failure is one ``error`` naming it.
+
+    ``what`` names the file for the researcher ("protocol", "parameter file"),
+    ``expected`` says what the file should hold. An empty file is an empty mapping.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a directory; expected {expected}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"{what} {path} cannot be read as text ({err}); expected {expected}") from None
+    try:
+        loaded = load_yaml(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise error(f"{what} {path} is not valid YAML{where} ({problem}); "
+                    f"expected {expected}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise error(f"{what} {path} holds a {type(loaded).__name__}, not a mapping; "
+                    f"expected {expected}")
+    odd = [key for key in loaded if not isinstance(key, str)]
+    if odd:
+        raise error(f"{what} {path} has key(s) that are not names: "
+                    f"{', '.join(repr(k) for k in odd)}; expected {expected}")
+    return loaded
 
 
 def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:
@@ -142,6 +209,53 @@ def validate(config: Any) -> None:
 
 def field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
+
+
+class FrozenParams(dict):
+    """A dict that cannot change after it is made, hashable: the mapping fields of frozen
+    configs (``ConvConfig.rule_params``), so the config is frozen all the way down and can
+    be a dict key. JSON, pickle and ``copy`` see a plain dict; ``as_dict`` turns a config
+    into plain dicts for records and checkpoints (``torch.load(weights_only=True)``)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is read-only (a frozen config's parameters); "
+                        "build a new config, e.g. dataclasses.replace(config, rule_params=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, _hashable(v)) for k, v in self.items())))
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self  # immutable, like a tuple of scalars
+
+
+def as_dict(config) -> dict:
+    """``dataclasses.asdict(config)`` with every mapping a plain dict: what a record and a
+    checkpoint store."""
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(dataclasses.asdict(config))
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def from_dict(cls, values: dict | None = None, **overrides):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import math
 import os
 import time
@@ -44,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from . import records, runlock
-from .config import ConfigError, identity
+from .config import ConfigError, as_dict, identity
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 2
@@ -171,7 +170,7 @@ class Lifecycle:
     def __post_init__(self):
         self.out = Path(self.out_dir).resolve() if self.out_dir is not None else None
         self.axis = self.expect.axis
-        self.config_dict = dataclasses.asdict(self.config)
+        self.config_dict = as_dict(self.config)
         self.rows_logged: list[dict] = []  # every row of the run, in memory
         self.pending: list[dict] = []  # rows not yet in the store
         self.finished = False

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import records, runlock
-from .config import ConfigError, field_names, from_dict, identity
+from .config import ConfigError, as_dict, field_names, from_dict, identity
 
 if TYPE_CHECKING:  # imported where used: kernels import this module for record_value
     import nbformat
@@ -313,19 +313,24 @@ def resolve_parameters(notebook, params: Mapping | None = None,
         return Resolved(given, _as_stored(merged), full=False)
     fields = set(field_names(cls))
     dotted = [key for key in params if "." in key]
-    context = f" (given by {', '.join(dotted)})" if dotted else ""
+
+    def context(message: str) -> str:
+        # Name the dotted keys only where the error is about the dict they set.
+        hit = [key for key in dotted if _root(key) in message]
+        return f" (given by {', '.join(hit)})" if hit else ""
+
     try:
         config = from_dict(cls, {k: v for k, v in merged.items() if k in fields})
         # What the data or machine decides (dataset sizes, files): still before a kernel.
         if preflight:
             getattr(config, "preflight", lambda: None)()
     except ConfigError as err:
-        if not context:
+        if not context(str(err)):
             raise
-        raise ParameterError(f"{err}{context}") from None
+        raise ParameterError(f"{err}{context(str(err))}") from None
     except (TypeError, ValueError) as err:  # a check in the class's own __post_init__
-        raise ParameterError(f"{cls.__name__}: {err}{context}") from None
-    return Resolved(given, _as_stored(dataclasses.asdict(config)), full=True)
+        raise ParameterError(f"{cls.__name__}: {err}{context(str(err))}") from None
+    return Resolved(given, _as_stored(as_dict(config)), full=True)
 
 
 _ABSENT = object()

@@ -74,6 +74,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from . import runlock
+
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 STATUSES = ("running", "complete", "failed", "diverged")
@@ -804,6 +806,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     that replaced them) are left out unless ``include_old`` (or ``root`` is one); then
     their run_id is their directory's name, so the two runs stay apart.
 
+    ``status`` is the live one, as ``lab runs`` shows it: record.json says "running" for
+    a run in progress and for one whose process was killed; the run's lock tells them
+    apart, so a killed run reads "interrupted".
+
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
     that declare none). Nested config dicts and final metrics are flattened
@@ -827,7 +833,17 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     )
     for column in ("n_rows", "n_epochs"):
         frame[column] = frame[column].astype("int64")
+    frame["status"] = [live_status(status, path)
+                       for status, path in zip(frame["status"], frame["path"])]
     return frame[list(RUN_COLUMNS) + extra]
+
+
+def live_status(status: str, run_dir) -> str:
+    """``status`` from record.json, but "interrupted" for a "running" run that no process
+    holds (killed, or stopped by Ctrl-C before the record was saved)."""
+    if status != "running":
+        return status
+    return "running" if runlock.holder(run_dir) is not None else "interrupted"
 
 
 def _v1_metrics(record_path: Path, record: dict) -> pd.DataFrame:

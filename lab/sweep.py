@@ -63,10 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from . import records
-from .config import ConfigError, bounded, field_names, load_yaml, validate
+from .config import ConfigError, bounded, field_names, read_yaml_mapping, validate
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
@@ -171,25 +169,8 @@ class RunSpec:
 
 
 def _read_yaml(path: Path) -> dict:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProtocolError(f"protocol {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ProtocolError(f"protocol {path} cannot be read ({err}); expected a YAML "
-                            "text file") from None
-    try:
-        data = load_yaml(text)
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where else ""
-        raise ProtocolError(f"protocol {path} is not valid YAML{line} "
-                            f"({getattr(err, 'problem', err)}); expected a YAML mapping with "
-                            f"keys {', '.join(_yaml_keys())}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"protocol {path} holds a {type(data).__name__}, not a mapping; "
-                            f"expected a YAML mapping with keys {', '.join(_yaml_keys())}")
-    return data
+    return read_yaml_mapping(path, "protocol", ProtocolError,
+                             f"a YAML mapping with keys {', '.join(_yaml_keys())}")
 
 
 def _yaml_keys() -> list[str]:

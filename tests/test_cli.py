@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lab.cli
 import lab.notebook
@@ -46,6 +47,7 @@ def test_parameter_files_that_cannot_be_used(tmp_path, capsys, no_kernel):
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
     (tmp_path / "bad.yaml").write_text("epochs: 2\nlr: [0.1\nseed: 1\n")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "dir.yaml").mkdir()
     cases = [
         (["run", str(ECHO)], "binary.yaml", r"parameter file .*binary.yaml cannot be read as "
          r"text \('utf-8' codec can't decode byte 0xff"),
@@ -54,6 +56,8 @@ def test_parameter_files_that_cannot_be_used(tmp_path, capsys, no_kernel):
         (["train"], "missing.yaml", r"parameter file .*missing.yaml does not exist"),
         (["run", str(ECHO)], "list.yaml", r"parameter file .*list.yaml holds a list, not a "
          r"mapping"),
+        (["train"], "dir.yaml", r"parameter file .*dir.yaml is a directory; expected a YAML "
+         r"mapping of parameter: value lines"),
     ]
     for command, name, message in cases:
         out = tmp_path / "out"
@@ -339,6 +343,32 @@ def test_yaml_files_read_1e_minus_3_as_a_float(tmp_path):
     assert load_yaml("a: 1e3") == {"a": 1000.0} and isinstance(load_yaml("a: 1e3")["a"], float)
     import yaml  # PyYAML's own safe loader is left as it is
     assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}
+
+
+def test_yaml_booleans_are_true_and_false_only():
+    from lab.cli import parse_value
+    from lab.config import load_yaml
+
+    assert load_yaml("a: off\nb: yes\nc: on\nd: no\ne: true\nf: False\ng: Y") == {
+        "a": "off", "b": "yes", "c": "on", "d": "no", "e": True, "f": False, "g": "Y"}
+    assert parse_value("off") == "off" and parse_value("true") is True
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path, capsys, no_kernel):
+    from lab.config import load_yaml
+
+    with pytest.raises(yaml.YAMLError, match=r"key 'a' is given twice \(line 1\)"):
+        load_yaml("{a: 1, a: 2}")
+    with pytest.raises(yaml.YAMLError, match=r"key 'lr' is given twice \(lines 2 and 3\)"):
+        load_yaml("fixed:\n  lr: 1\n  lr: 2\n")
+    assert load_yaml("a: {x: 1}\nb: {x: 2}") == {"a": {"x": 1}, "b": {"x": 2}}
+    (tmp_path / "dup.yaml").write_text("epochs: 2\nepochs: 3\n")
+    assert cli_main(["train", "--out", str(tmp_path / "r"), "-f", str(tmp_path / "dup.yaml")]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "parameter file " in err and ("dup.yaml is not valid YAML at line 2, column 1 (key "
+                                         "'epochs' is given twice (lines 1 and 2); give each "
+                                         "key once)") in err, err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("workers", ["-2", "0", "two"])

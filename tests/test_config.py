@@ -52,7 +52,8 @@ def test_non_finite_numbers_are_refused(value):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(depth=21), r"depth=21 is not allowed; use 6n\+2"),
     (dict(rule="magic"), r"rule='magic' is unknown; known rules: .*bp"),
-    (dict(rule_params={"nope": 1}), r"has no field\(s\) 'nope'"),
+    (dict(rule_params={"nope": 1}), r"ConvConfig.rule_params: rule 'bp' has no "
+     r"parameter\(s\) 'nope'; it takes no parameters"),
     (dict(eval_split="test"), r"evaluated exactly once"),
     (dict(val_fraction=0.0), r"needs a validation split"),
 ])

@@ -256,6 +256,16 @@ def test_an_unknown_dotted_key_lists_the_allowed_names(tmp_path, no_kernel):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_dotted_key_is_not_blamed_for_another_fields_error(tmp_path, no_kernel):
+    with pytest.raises(ConfigError) as err:
+        execute(TRAIN, tmp_path / "run", {"rule": "kp", "rule_params.feedback_scale": 1.0,
+                                          "epochs": 0})
+    assert str(err.value) == "ConvConfig.epochs=0 is out of range; allowed: [1, inf)"
+    with pytest.raises(ConfigError, match=r"feedback_scale=-1.0 is out of range.* \(given by "
+                                          r"rule_params.feedback_scale\)$"):
+        execute(TRAIN, tmp_path / "run", {"rule": "kp", "rule_params.feedback_scale": -1.0})
+
+
 def test_apply_params_sets_one_key_inside_a_dict():
     base = {"opts": {"scale": 1, "label": "a"}, "x": 1}
     out = apply_params(base, {"opts.scale": 3, "x": 2, "deep.a.b": 1})

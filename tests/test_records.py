@@ -498,3 +498,30 @@ def test_version_1_records_read_through_the_same_api():
         assert legacy["schema_version"] == 1
         mine = metrics[metrics["run_id"] == run_id].reset_index(drop=True)
         pd.testing.assert_frame_equal(mine, records.tidy_metrics(legacy))
+
+
+def test_load_runs_tells_a_killed_run_from_a_live_one(base_record, tmp_path):
+    """record.json says "running" for both; load_runs reads the lock, as `lab runs` does."""
+    import subprocess
+    import sys
+
+    from lab import runlock
+
+    for name in ("live", "killed", "done"):
+        records.save_run(tmp_path / name, filled(base_record, run_id=name,
+                                                 status="complete" if name == "done"
+                                                 else "running"))
+    runlock.acquire(tmp_path / "killed").release()  # a lock file left behind, nobody holding
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from lab import runlock; "
+         "held = runlock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / "live")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        status = dict(zip(*records.load_runs(tmp_path)[["run_id", "status"]].T.values))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status == {"live": "running", "killed": "interrupted", "done": "complete"}
+    assert dict(zip(*records.load_runs(tmp_path)[["run_id", "status"]].T.values))["live"] \
+        == "interrupted"

@@ -205,3 +205,50 @@ def test_alignment_leaves_a_rules_own_group_tensors_alone():
     extra.grad = sentinel
     alignment(model, rule, x, Y)
     assert extra.grad is sentinel and torch.equal(sentinel, torch.full_like(extra, -1.0))
+
+
+def _same(a, b) -> bool:
+    """Deep equality of two states (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# Preparation drawn from the six examples of _model's batch.
+SIX = {"kp_traffic": {"traffic_calibration_examples": 6, "predictor_warmup_steps": 2,
+                      "predictor_batch": 6},
+       "sdil": {"traffic_calibration_examples": 6, "predictor_warmup_steps": 2,
+                "predictor_batch": 6, "a_warmup_steps": 2, "calibration_batch": 6},
+       "lhfa": {"warmup_steps": 2, "calibration_batch": 6}}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_a_diagnostic_call_leaves_the_rule_as_it_was(name):
+    """compute_gradients(step=None) changes no state: the next real step and the bill are
+    those of a run without the diagnostic call, and two diagnostic calls agree."""
+    model, x = _model()
+    twin = copy.deepcopy(model)
+    a, b = (make_rule(name, net, SIX.get(name), seed=2) for net in (model, twin))
+    model.train(), twin.train()
+
+    def step(rule, net, index):
+        net.zero_grad(set_to_none=True)  # as the trainers do
+        rule.compute_gradients(x, Y, index)
+        return _grads(net)
+
+    for rule, net in ((a, model), (b, twin)):
+        rule.prepare(x, Y)
+        step(rule, net, 0)
+    before = copy.deepcopy(a.state_dict())
+    first = step(a, model, None)
+    second = step(a, model, None)
+    assert _same(a.state_dict(), before), f"{name}: a diagnostic call changed the state"
+    for g1, g2 in zip(first, second, strict=True):
+        assert torch.equal(g1, g2)
+    for ga, gb in zip(step(a, model, 1), step(b, twin, 1), strict=True):
+        assert torch.equal(ga, gb)
+    assert _same(a.state_dict(), b.state_dict())

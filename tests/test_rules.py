@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -584,8 +585,14 @@ def rule_layers(model):
     ("nodepert", {"pert_directions": 0}, r"pert_directions=0 is out of range"),
     ("dfa", {"feedback_scale": -1.0}, r"feedback_scale=-1.0 is out of range"),
     ("dfa", {"projection_norm": "bp"}, r"projection_norm='bp'.*'fixed', 'gradient'"),
-    ("kp", {"mirror_every": 3}, r"no field\(s\) 'mirror_every'"),
-    ("bp", {"feedback_scale": 1.0}, r"no field\(s\) 'feedback_scale'"),
+    ("fa", {"feedback_seed": 2**63}, r"feedback_seed=9223372036854775808 is out of range; "
+     r"allowed: \[0, 9223372036854775807\]"),
+    ("kp", {"mirror_every": 3}, r"rule 'kp' has no parameter\(s\) 'mirror_every'; it takes "
+     r"feedback_scale, feedback_seed \(changing a config's rule"),
+    ("bp", {"feedback_scale": 1.0}, r"rule 'bp' has no parameter\(s\) 'feedback_scale'; it "
+     r"takes no parameters"),
+    ("fa", ["feedback_scale"], r"rule 'fa': params must be a mapping of parameter names to "
+     r"values or a FeedbackParams, got \['feedback_scale'\] \(list\)"),
 ])
 def test_bad_rule_parameters(name, params, message):
     with pytest.raises(ConfigError, match=message):
@@ -597,6 +604,26 @@ def test_unsupported_model_names_its_layers(name):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"cannot handle 0 \(Linear\), 2 \(Linear\)"):
         make_rule(name, model)
+
+
+@pytest.mark.parametrize("seed", [-5, "0", 2**63, 1.5, True, None])
+def test_make_rule_refuses_a_bad_seed(seed):
+    with pytest.raises(ConfigError, match=rf"make_rule seed={re.escape(repr(seed))} is not "
+                                          r"allowed; give an integer in \[0, 922337203685477580"):
+        make_rule("fa", ResNet(8, 4, dims=1, in_channels=1, n_classes=4), seed=seed)
+
+
+def test_make_rule_takes_the_rules_params_instance():
+    from lab.rules import rule_class
+    model = ResNet(8, 4, dims=1, in_channels=1, n_classes=4)
+    params = rule_class("fa").Params(feedback_scale=2.0)
+    by_instance = make_rule("fa", model, params, seed=3)
+    by_mapping = make_rule("fa", model, {"feedback_scale": 2.0}, seed=3)
+    assert by_instance.params == by_mapping.params == params
+    feedback = list(by_instance.feedback)
+    assert len(feedback) > 0
+    for a, b in zip(feedback, by_mapping.feedback, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_unknown_rule_lists_known():

@@ -100,6 +100,16 @@ def test_protocol_file_problems(tmp_path):
     (tmp_path / "b.yaml").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ProtocolError, match=r"cannot be read"):
         load_protocol(tmp_path / "b.yaml")
+    with pytest.raises(ProtocolError, match=r"p.yaml is not valid YAML at line 3, column 1 "
+                                            r"\(key 'grid' is given twice \(lines 2 and 3\)"):
+        (tmp_path / "p.yaml").write_text("name: t\ngrid: {rule: [bp]}\ngrid: {rule: [fa]}\n")
+        load_protocol(tmp_path / "p.yaml")
+    with pytest.raises(ProtocolError, match=r"protocol .* is a directory; expected a YAML "
+                                            r"mapping with keys name, "):
+        load_protocol(tmp_path)
+    with pytest.raises(ProtocolError, match=r"has key\(s\) that are not names: 1; expected"):
+        (tmp_path / "p.yaml").write_text("1: x\n")  # keys must be names
+        load_protocol(tmp_path / "p.yaml")
 
 
 def test_paths_are_relative_to_the_protocol_file(tmp_path):

@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from lab import records
 from lab.cli import main as cli_main
-from lab.config import from_dict
+from lab.config import ConfigError, from_dict
 from lab.lifecycle import CHECKPOINT, CheckpointError
 from lab.rules import RULES, Rule, StepResult
 from lab.train import ConvConfig, conv, train_conv
@@ -422,3 +425,109 @@ def test_the_augmentation_is_the_configs(tiny, monkeypatch, augment, want):
                                                                               life))
     train_conv(ConvConfig(**{**tiny, "epochs": 1}, augment=augment))
     assert seen == {want}
+
+
+def _shuffle_mnist1d_cache(data_dir: Path) -> None:
+    # Same file, same size, other content: the training examples in another order.
+    path = next((data_dir / "mnist1d").glob("*.npz"))
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays["x_train"] = arrays["x_train"][::-1].copy()
+    np.savez(path.with_suffix(".tmp.npz"), **arrays)
+    path.with_suffix(".tmp.npz").replace(path)
+
+
+def test_conv_record_holds_the_data_identity_and_refuses_other_data(tiny, tmp_path, monkeypatch):
+    """A conv run records its data (dataset, absolute directory, hash of the arrays, split
+    sizes); a resume on changed data is refused and a finished run on it is stale."""
+    from lab.data import content_identity
+    from lab.data.identity import changed_files
+
+    monkeypatch.chdir(tmp_path)
+    config = ConvConfig(**{**tiny, "epochs": 3}, data_dir="data")
+    assert config.data_dir == str(tmp_path / "data")  # stored absolute
+    real = conv._train_epoch
+
+    def crash_at_1(run, epoch, kind, life):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real(run, epoch, kind, life)
+
+    monkeypatch.setattr(conv, "_train_epoch", crash_at_1)
+    with pytest.raises(KeyboardInterrupt):
+        train_conv(config, tmp_path / "run")
+    monkeypatch.setattr(conv, "_train_epoch", real)
+    record = json.loads((tmp_path / "run" / "record.json").read_text())
+    identity = content_identity("mnist1d", tmp_path / "data")
+    assert record["data"] == {**identity, "split": {"train": 256, "val": 400, "test": 1000}}
+    assert identity["dir"] == str(tmp_path / "data") and len(identity["sha256"]) == 64
+
+    _shuffle_mnist1d_cache(tmp_path / "data")
+    with pytest.raises(CheckpointError, match=r"belongs to a run trained on other data "
+                                              r"\(sha256: '[0-9a-f]{64}' there vs "):
+        train_conv(config, tmp_path / "run")
+    # The same data again (the cache regenerated, with new zip timestamps): resumable.
+    for f in (tmp_path / "data" / "mnist1d").glob("*.npz"):
+        f.unlink()
+    done = train_conv(config, tmp_path / "run")
+    assert done["status"] == "complete" and changed_files(done["data"]) == []
+    _shuffle_mnist1d_cache(tmp_path / "data")
+    assert changed_files(done["data"]) == [
+        f"mnist1d in {tmp_path / 'data'}: other content (sha256)"]
+    # MNIST-1D is generated: without its cache the same arrays come back, nothing changed.
+    shutil.rmtree(tmp_path / "data")
+    assert changed_files(done["data"]) == []
+
+
+def test_cifar10_identity_sees_a_changed_or_missing_batch(tmp_path):
+    from lab.data import content_identity
+    from lab.data.cifar10 import write_fake_cifar10
+    from lab.data.identity import changed_files
+
+    batch_dir = write_fake_cifar10(tmp_path / "c", n_per_batch=4, seed=0)
+    data = {"data": content_identity("cifar10", tmp_path / "c")}
+    assert changed_files(data) == []
+    write_fake_cifar10(tmp_path / "c", n_per_batch=4, seed=1)  # same sizes, other images
+    assert changed_files(data) == [f"cifar10 in {tmp_path / 'c'}: other content (sha256)"]
+    (batch_dir / "test_batch").unlink()
+    [why] = changed_files(data)
+    assert why.startswith(f"cifar10 in {tmp_path / 'c'}: cannot be read now (CIFAR-10 batch "
+                          f"file(s) missing: {batch_dir / 'test_batch'}")
+
+
+def test_blank_data_dir_is_refused():
+    with pytest.raises(ConfigError, match=r"ConvConfig.data_dir='  ' is blank; give a "
+                                          r"directory, or '' for \$LAB_DATA_DIR"):
+        ConvConfig(data_dir="  ")
+    assert ConvConfig(data_dir="").data_dir == ""
+
+
+def test_conv_config_is_frozen_all_the_way_down():
+    import copy
+    import dataclasses
+    import pickle
+
+    a = ConvConfig(rule="fa")
+    assert a == ConvConfig(rule="fa", rule_params={"feedback_scale": 1.0})
+    assert hash(a) == hash(ConvConfig(rule="fa", rule_params={"feedback_scale": 1.0}))
+    assert hash(a) != hash(ConvConfig(rule="fa", rule_params={"feedback_scale": 2.0}))
+    with pytest.raises(TypeError, match=r"FrozenParams is read-only \(a frozen config's "
+                                        r"parameters\); build a new config"):
+        a.rule_params["feedback_scale"] = -7.0
+    with pytest.raises(TypeError, match=r"read-only"):
+        a.rule_params.update(feedback_scale=-7.0)
+    assert a.rule_params == {"feedback_scale": 1.0, "feedback_seed": 0}
+    assert pickle.loads(pickle.dumps(a)) == a and copy.deepcopy(a) == a
+    assert json.loads(json.dumps(dataclasses.asdict(a)))["rule_params"] == dict(a.rule_params)
+    assert dataclasses.replace(a, lr=0.2).rule_params == a.rule_params
+
+
+def test_switching_the_rule_with_replace_names_the_params_to_pass():
+    import dataclasses
+    with pytest.raises(ConfigError, match=r"ConvConfig.rule_params: rule 'bp' has no "
+                                          r"parameter\(s\) 'feedback_scale', 'feedback_seed'; it "
+                                          r"takes no parameters \(changing a config's rule with "
+                                          r"dataclasses.replace\? pass rule_params for the new "
+                                          r"rule too"):
+        dataclasses.replace(ConvConfig(rule="fa"), rule="bp")
+    assert dataclasses.replace(ConvConfig(rule="fa"), rule="bp", rule_params={}).rule == "bp"

@@ -16,6 +16,7 @@ Per-dataset loading lives in the submodules; augmentation in `lab.data.augment`,
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "DataError", "Dataset", "Split", "default_data_dir", "load_dataset",
-           "train_size"]
+__all__ = ["DATASETS", "DataError", "Dataset", "Split", "content_identity", "default_data_dir",
+           "load_dataset", "train_size"]
 
 DATASETS = ("mnist1d", "digits", "cifar10")
 
@@ -70,6 +71,9 @@ class Dataset:
     n_classes: int
     dims: int
     augment: str  # the natural augmentation, a kind understood by lab.data.augment.augment
+    # What identifies the data (``content_identity`` plus the split sizes): a run records
+    # it, a resume on other data is refused, a finished run on changed data is stale.
+    identity: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ def load_dataset(
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
 
     x_train, y_train, x_test, y_test, scale = _load_raw(name, root)
+    identity = _content(name, root, (x_train, y_train, x_test, y_test))
     # The input scale is fitted on the whole official training set, before the validation
     # holdout and the n_train cut: an example's values then depend neither on split_seed nor on
     # run size, and test tensors are identical across seeds. (The val examples inform only the
@@ -135,7 +140,62 @@ def load_dataset(
         n_classes=spec.n_classes,
         dims=spec.dims,
         augment=spec.augment,
+        identity={**identity, "split": {"train": len(train_idx), "val": len(val_idx),
+                                        "test": len(y_test)}},
     )
+
+
+def _content(name: str, root: Path, arrays) -> dict:
+    # The hash is of the arrays as read (before scaling), not of the files: MNIST-1D's
+    # cache is rewritten with new zip timestamps whenever it is regenerated, and the
+    # arrays are what a run learns from.
+    digest = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype.str}{a.shape};".encode())
+        digest.update(memoryview(a).cast("B"))
+    return {"dataset": name, "dir": str(root.resolve()), "sha256": digest.hexdigest()}
+
+
+def content_identity(name: str, data_dir) -> dict:
+    """{"dataset", "dir" (absolute), "sha256" of the raw arrays} of ``name`` as read now
+    from ``data_dir``; ``load_dataset`` records the same in ``Dataset.identity``. DataError
+    if it cannot be read."""
+    if name not in _SPECS:
+        raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    root = Path(data_dir).expanduser().resolve()
+    return dict(_cached_content(name, root, _file_stamps(name, root)))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_content(name: str, root: Path, stamps: tuple) -> tuple:
+    # Keyed by the files' (path, size, mtime): a sweep's stale check over many runs of one
+    # dataset reads it once, and a file changed since is read again.
+    del stamps
+    return tuple(_content(name, root, _load_raw(name, root)[:4]).items())
+
+
+def _file_stamps(name: str, root: Path) -> tuple:
+    if name == "mnist1d":
+        from lab.data.mnist1d import cache_path
+        files = [cache_path(root)]
+    elif name == "cifar10":
+        from lab.data.cifar10 import DATA_BATCHES, TEST_BATCH, find_batch_dir
+        try:
+            batch_dir = find_batch_dir(root)
+        except DataError:
+            return ()
+        files = [batch_dir / f for f in (*DATA_BATCHES, TEST_BATCH)]
+    else:  # digits: bundled with scikit-learn
+        files = []
+    stamps = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        stamps.append((str(f), st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
 
 
 def _check_args(val_fraction: float, n_train: int) -> None:

@@ -1,4 +1,5 @@
-"""What identifies a data file: its absolute path, size and content hash.
+"""What identifies a data file: its absolute path, size and content hash (a dataset
+read from a directory: its name, the directory and the hash of its arrays).
 
 A run records this (``record["data"]``) and its checkpoints carry it, so a resume
 on a file that changed since the run began is refused instead of silently mixing
@@ -46,6 +47,9 @@ def changed_files(data) -> list[str]:
 
     def walk(node):
         if isinstance(node, dict):
+            if {"dataset", "dir", "sha256"} <= set(node):
+                changes.extend(_dataset_changes(node))
+                return
             if {"path", "size", "sha256"} <= set(node):
                 path = Path(node["path"])
                 if not path.is_file():
@@ -60,3 +64,15 @@ def changed_files(data) -> list[str]:
 
     walk(data)
     return changes
+
+
+def _dataset_changes(node: dict) -> list[str]:
+    # A dataset read from a directory (lab.data.load_dataset's identity): read it again.
+    from lab.data import DataError, content_identity  # (torch: lazily)
+
+    where = f"{node['dataset']} in {node['dir']}"
+    try:
+        now = content_identity(node["dataset"], node["dir"])
+    except DataError as err:
+        return [f"{where}: cannot be read now ({err})"]
+    return [] if now["sha256"] == node["sha256"] else [f"{where}: other content (sha256)"]

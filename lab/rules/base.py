@@ -22,6 +22,8 @@ What a trainer does with a rule, in order (``lab.train``):
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -88,6 +90,19 @@ class Rule:
         and are saved by ``state_dict``.
         """
         return []
+
+    @contextlib.contextmanager
+    def keeping_state(self, step: int | None):
+        """Around a ``compute_gradients`` body that draws or counts: a diagnostic call
+        (``step is None``) leaves the rule's state (generators, counters, B) as it was."""
+        if step is not None:
+            yield
+            return
+        saved = copy.deepcopy(self.state_dict())
+        try:
+            yield
+        finally:
+            self.load_state_dict(saved)
 
     def compute_gradients(self, x: torch.Tensor, y: torch.Tensor, step: int | None,
                           record: bool = False) -> StepResult:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import bounded, choice, validate
+from ..config import SEED_MAX, bounded, choice, validate
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
 from .common import Segments, derive_seed, output_error
@@ -34,7 +34,7 @@ from .registry import register
 @dataclass(frozen=True)
 class DFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # D std = scale / sqrt(K)
-    feedback_seed: int = bounded(0, 0)
+    feedback_seed: int = bounded(0, 0, SEED_MAX)
     # "fixed": Nokland's scale; "gradient": each D_l matched to backprop's norm once.
     projection_norm: str = choice("fixed", ("fixed", "gradient"))
 

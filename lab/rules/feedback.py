@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..config import bounded, validate
+from ..config import SEED_MAX, bounded, validate
 from ..models.layers import local_layers
 from .base import Rule
 from .bp import autograd_step
@@ -39,7 +39,7 @@ from .registry import register
 @dataclass(frozen=True)
 class FeedbackParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
-    feedback_seed: int = bounded(0, 0)  # mixed with the run seed
+    feedback_seed: int = bounded(0, 0, SEED_MAX)  # mixed with the run seed
 
     def __post_init__(self):
         validate(self)
@@ -104,8 +104,9 @@ class FeedbackAlignment(Rule):
         """Recompute B from W before a step (sign-symmetry rules)."""
 
     def compute_gradients(self, x, y, step, record=False):
-        self.refresh()
-        out = autograd_step(self.model, x, y, record)
+        with self.keeping_state(step):  # brsf's refresh draws from the generator
+            self.refresh()
+            out = autograd_step(self.model, x, y, record)
         if step is not None:
             self.steps += 1
         return out

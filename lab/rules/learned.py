@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult, check_example_needs
@@ -100,7 +100,7 @@ def _draw_batch(x, y, size, generator):
 @dataclass(frozen=True)
 class LHFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
-    feedback_seed: int = bounded(0, 0)
+    feedback_seed: int = bounded(0, 0, SEED_MAX)
     pert_sigma: float = bounded(1e-3, 0.0, lo_open=True)
     pert_every: int = bounded(10, 1)  # optimizer steps between calibration events
     pert_directions: int = bounded(4, 1)  # per population and event
@@ -271,7 +271,7 @@ class SDILParams:
     # part (on a fixed ResNet-20, 20 events took the mean alignment to 0.02 from dfa's
     # scale, 6 events to 0.17 from 0.01 of it).
     feedback_scale: float = bounded(0.01, 0.0, lo_open=True)
-    feedback_seed: int = bounded(0, 0)
+    feedback_seed: int = bounded(0, 0, SEED_MAX)
     pert_sigma: float = bounded(1e-3, 0.0, lo_open=True)
     pert_every: int = bounded(10, 1)
     pert_directions: int = bounded(4, 1)
@@ -283,7 +283,7 @@ class SDILParams:
     calibration_batch: int = bounded(128, 1)
     traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
     traffic_ratio: float = bounded(4.0, 0.0)  # RMS(T) / RMS(I) after calibration
-    traffic_seed: int = bounded(0, 0)
+    traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(256, 1)
     predictor_lr: float = bounded(0.5, 0.0, 1.0, lo_open=True)
     predictor_every: int = bounded(10, 1)

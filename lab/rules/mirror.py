@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import bounded, validate
+from ..config import SEED_MAX, bounded, validate
 from .feedback import FeedbackAlignment
 from .registry import register
 
@@ -44,7 +44,7 @@ _conv_backward = torch.ops.aten.convolution_backward
 @dataclass(frozen=True)
 class MirrorParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)
-    feedback_seed: int = bounded(0, 0)
+    feedback_seed: int = bounded(0, 0, SEED_MAX)
     mirror_every: int = bounded(16, 1)  # task steps between mirror events
     mirror_batch_size: int = bounded(32, 1)  # probes per event
     mirror_lr: float = bounded(0.1, 0.0, 1.0, lo_open=True)  # eta (rrm: capped per layer)

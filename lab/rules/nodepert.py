@@ -68,8 +68,10 @@ class NodePerturbation(Rule):
         hs = [h.detach() for h in segments.outputs]
         clean = losses.detach()
         # d(loss_i)/dh per example, i.e. d(sum loss)/dh: what Segments.inject expects.
-        signals = [self.estimator.observe(i, h, y, clean, below(self.model, hs, i)).estimate()
-                   for i, h in enumerate(hs)]
+        with self.keeping_state(step):  # the draws and the bill's counts
+            signals = [self.estimator.observe(i, h, y, clean,
+                                              below(self.model, hs, i)).estimate()
+                       for i, h in enumerate(hs)]
         loss = losses.mean()
         loss.backward()  # the read-out only
         segments.inject(signals, len(y))

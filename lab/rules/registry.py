@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from ..config import ConfigError, from_dict
+from ..config import SEED_MAX, ConfigError, field_names, from_dict
 
 RULES: dict[str, type] = {}
 
@@ -25,12 +26,39 @@ def rule_class(name: str) -> type:
         ) from None
 
 
-def resolve_params(name: str, params: dict | None) -> dict:
+def rule_params(name: str, params=None):
+    """The rule's Params from a mapping (or a Params instance of that rule), validated.
+
+    An unknown key names the rule and the keys it takes: switching a config's rule
+    with ``dataclasses.replace`` must pass the new rule's ``rule_params`` too.
+    """
+    cls = rule_class(name)
+    if isinstance(params, cls.Params):
+        return params
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"rule {name!r}: params must be a mapping of parameter names to "
+                          f"values or a {cls.Params.__name__}, got {params!r} "
+                          f"({type(params).__name__})")
+    known = field_names(cls.Params)
+    unknown = sorted(set(params or {}) - set(known))
+    if unknown:
+        takes = (f"it takes {', '.join(known)}" if known else "it takes no parameters")
+        raise ConfigError(
+            f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes} "
+            "(changing a config's rule with dataclasses.replace? pass rule_params for the new "
+            "rule too, e.g. replace(config, rule=..., rule_params={}))")
+    return from_dict(cls.Params, dict(params or {}))
+
+
+def resolve_params(name: str, params) -> dict:
     """Validate ``params`` against the rule's Params and fill in the defaults."""
-    cls = rule_class(name)
-    return dataclasses.asdict(from_dict(cls.Params, params or {}))
+    return dataclasses.asdict(rule_params(name, params))
 
 
-def make_rule(name: str, model, params: dict | None = None, *, seed: int = 0):
-    cls = rule_class(name)
-    return cls(model, from_dict(cls.Params, params or {}), seed=seed)
+def make_rule(name: str, model, params=None, *, seed: int = 0):
+    """Rule ``name`` for ``model``; ``params`` a mapping or the rule's Params; ``seed`` the
+    run seed its random draws derive from."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"make_rule seed={seed!r} is not allowed; give an integer in "
+                          f"[0, {SEED_MAX}] (the run seed)")
+    return rule_class(name)(model, rule_params(name, params), seed=seed)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .base import StepResult, check_example_needs
@@ -69,10 +69,10 @@ SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
 @dataclass(frozen=True)
 class TrafficParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
-    feedback_seed: int = bounded(0, 0)
+    feedback_seed: int = bounded(0, 0, SEED_MAX)
     traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
     traffic_ratio: float = bounded(4.0, 0.0)  # RMS(T) / RMS(I) after calibration
-    traffic_seed: int = bounded(0, 0)
+    traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(512, 1)
     predictor_lr: float = bounded(0.5, 0.0, 1.0, lo_open=True)  # eta_P of the NLMS step
     # Steps between predictor updates. T = g C h is an exact per-unit linear map, so

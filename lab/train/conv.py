@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, from_dict, validate
+from ..config import SEED_MAX, ConfigError, FrozenParams, bounded, choice, validate
 from ..data import DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
+from ..data.identity import absolute
 from ..device import configure_process, resolve_device, seeded, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
@@ -35,6 +36,7 @@ from ..lifecycle import Divergence, Expectation, Lifecycle
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
 from ..rules.base import check_example_needs
+from ..rules.registry import rule_params as params_of
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
@@ -46,7 +48,7 @@ class ConvConfig:
 
     # data
     dataset: str = choice("mnist1d", DATASETS)
-    data_dir: str = ""  # "" -> $LAB_DATA_DIR or ~/.cache/lab
+    data_dir: str = ""  # "" -> $LAB_DATA_DIR or ~/.cache/lab; stored absolute
     val_fraction: float = bounded(0.1, 0.0, 0.9)
     n_train: int = bounded(0, 0)  # 0 = every training example
     augment: str = choice("auto", ("auto", "none", "shift", "crop_flip"))
@@ -87,6 +89,12 @@ class ConvConfig:
 
     def __post_init__(self):
         validate(self)
+        if self.data_dir and not self.data_dir.strip():
+            raise ConfigError(f"ConvConfig.data_dir={self.data_dir!r} is blank; give a directory, "
+                              "or '' for $LAB_DATA_DIR / ~/.cache/lab")
+        # Absolute, so the record names the directory whatever the working directory of a
+        # later reader or resume.
+        object.__setattr__(self, "data_dir", absolute(self.data_dir))
         if (self.depth - 2) % 6:
             raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
                               "(8, 14, 20, 32, 44, 56, 110)")
@@ -105,7 +113,11 @@ class ConvConfig:
                               "val_fraction in (0, 0.9] or eval_every=0")
         # Store the rule's resolved hyper-parameters, defaults included, so the
         # record says exactly what ran.
-        object.__setattr__(self, "rule_params", resolve_params(self.rule, self.rule_params))
+        try:
+            resolved = resolve_params(self.rule, self.rule_params)
+        except ConfigError as err:
+            raise ConfigError(f"ConvConfig.rule_params: {err}") from None
+        object.__setattr__(self, "rule_params", FrozenParams(resolved))
 
     def preflight(self) -> None:
         """What the data decides, checked before a run starts (``lab run``, ``lab train``
@@ -117,8 +129,8 @@ class ConvConfig:
         except DataError as err:
             raise ConfigError(f"ConvConfig: {err}") from None
         rule = rule_class(self.rule)
-        check_example_needs(self.rule, rule.example_needs(from_dict(rule.Params,
-                                                                    self.rule_params)), available)
+        needs = rule.example_needs(params_of(self.rule, self.rule_params))
+        check_example_needs(self.rule, needs, available)
         if self.alignment_every and self.alignment_batch > available:
             raise ConfigError(f"ConvConfig.alignment_batch={self.alignment_batch} but the "
                               f"training set has only {available} examples (the probe batch "
@@ -278,6 +290,7 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
     run = build_run(config)
     life = Lifecycle(kind="conv", config=config, expect=expectation(config), parts=parts(run),
                      out_dir=out_dir, run_id=run_id, device=str(run.device),
+                     data=run.data.identity,
                      checkpoint_every=config.checkpoint_every,
                      divergence=Divergence(factor=config.diverge_factor),
                      progress=config.progress, desc=f"{config.rule} seed {config.seed}")
