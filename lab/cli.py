@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from . import runlock
 from .config import ConfigError, as_dict, load_yaml, read_yaml_mapping
 
 if TYPE_CHECKING:
@@ -79,22 +80,6 @@ def _error(exc: Exception | str) -> int:
     return 2
 
 
-def _check_writable(out: Path) -> None:
-    """Refuse a run directory that cannot be created or written, before anything runs."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a directory for the run")
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"--out {out}: {existing} is a file, so the run directory cannot be "
-                          "made there; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "the run directory" if existing == out else f"{existing}, where it would be made,"
-        raise ConfigError(f"--out {out}: {what} is not writable; choose a directory you can "
-                          "write to")
-
-
 def _interrupted(out) -> int:
     # Ctrl-C: the last checkpoint is on disk; `lab runs` reads the unheld run as interrupted.
     print(f"\ninterrupted; run the same command again to resume {out} from its last "
@@ -129,7 +114,7 @@ def _train(args) -> int:
     try:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
         config.preflight()
-        _check_writable(out)
+        runlock.check_run_dir(out, "--out")
         resolved = Resolved({}, as_dict(config), full=True)
         decision, state = decide(out, resolved, _replace(args.force))
     except ConfigError as exc:
@@ -165,7 +150,7 @@ def _run(args) -> int:
 
     try:
         params = collect_params(args.param, args.file)
-        _check_writable(Path(args.out))
+        runlock.check_run_dir(Path(args.out), "--out")
         result = execute(args.notebook, args.out, params, replace=_replace(args.force))
     except KeyboardInterrupt:
         return _interrupted(args.out)
@@ -355,22 +340,30 @@ def _report(args) -> int:
                     + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
         params = {"protocol": protocol.source}
         if args.runs:
+            if not Path(args.runs).is_dir():
+                raise NotebookError(f"--runs {args.runs}: no such directory of runs")
             params["runs_dir"] = str(Path(args.runs).resolve())
         out = Path(args.out)
+        # Another notebook than the protocol's own report gets its own name: the two would
+        # overwrite each other.
+        base = protocol.name
+        if args.notebook and protocol.report and (Path(args.notebook).resolve()
+                                                  != Path(protocol.report).resolve()):
+            base = f"{protocol.name}.{Path(args.notebook).stem}"
         # Executed aside, then put in place: a failed report (e.g. incomplete data) never
         # replaces the last good one, neither its HTML nor its executed notebook.
-        pending = out / f"{protocol.name}.pending"
+        pending = out / f"{base}.pending"
         shutil.rmtree(pending, ignore_errors=True)
         result = execute(notebook, pending, params, record=False)
     except (ConfigError, NotebookError) as exc:
         return _error(exc)
-    name = protocol.name if result.ok else f"{protocol.name}.failed"
+    name = base if result.ok else f"{base}.failed"
     shutil.rmtree(out / name, ignore_errors=True)
     pending.rename(out / name)
     html = render_html(out / name / Path(result.notebook).name, out / f"{name}.html")
     if result.ok:  # a failure reported earlier is resolved: its leftovers would mislead
-        shutil.rmtree(out / f"{protocol.name}.failed", ignore_errors=True)
-        (out / f"{protocol.name}.failed.html").unlink(missing_ok=True)
+        shutil.rmtree(out / f"{base}.failed", ignore_errors=True)
+        (out / f"{base}.failed.html").unlink(missing_ok=True)
     if result.error:
         print(f"error: the report notebook failed: {result.error}", file=sys.stderr)
         print(f"the failed notebook: {html.resolve()}")
@@ -391,7 +384,8 @@ def _params_args(parser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train one conv run in-process")
+    train = sub.add_parser("train", help="train one conv run in-process (ConvConfig's "
+                           "defaults: ResNet-20, 60 epochs; notebook 01's are smaller)")
     train.add_argument("--out", required=True, help="run directory")
     _params_args(train)
     train.set_defaults(func=_train)
@@ -414,12 +408,19 @@ def main(argv: list[str] | None = None) -> int:
     runs.set_defaults(func=_runs)
     report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
     report.add_argument("protocol")
-    report.add_argument("--notebook", help="analysis notebook (default: the protocol's report)")
+    report.add_argument("--notebook", help="analysis notebook (default: the protocol's report; "
+                        "another than the protocol's writes <protocol>.<notebook>.html)")
     report.add_argument("--runs", help="runs directory (default: the protocol's out)")
     report.add_argument("--out", default="reports", help="reports directory")
     report.set_defaults(func=_report)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # `lab runs ... | head`: the reader has gone, which is no error. Python would
+        # complain again flushing stdout at exit, so point it at devnull first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -148,6 +148,18 @@ def _differences(then: dict, now: dict, sep: str) -> str:
                     for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
 
 
+def check_start(config, cls: type, out_dir, *, caller: str) -> None:
+    """What every trainer checks before it makes anything: a config of its class, a run
+    directory it can write, and what the data decides (``config.preflight()``)."""
+    if not isinstance(config, cls):
+        raise TypeError(f"{caller} expects a config of type {cls.__name__}, got {config!r:.80} "
+                        f"({type(config).__name__}); build one with {cls.__name__}(...) or "
+                        f"lab.config.from_dict({cls.__name__}, values)")
+    if out_dir is not None:
+        runlock.check_run_dir(Path(out_dir).resolve())
+    config.preflight()
+
+
 @dataclass
 class Lifecycle:
     """One run's life on disk (or in memory with ``out_dir=None``); see the module docstring."""
@@ -212,6 +224,8 @@ class Lifecycle:
         for leftover in [*self.out.glob(".*.tmp"), *self.out.glob(f"{records.ROWS_DIR}/*/.*.tmp")]:
             leftover.unlink(missing_ok=True)
         old = self._old_record()
+        if old is not None:
+            self._keep_run_id(old["run_id"])
         ckpt = self.out / CHECKPOINT
         if ckpt.exists():
             state = self._read_checkpoint(ckpt)
@@ -245,6 +259,12 @@ class Lifecycle:
             return done
         records.write_record(self.out, self.record)
         return done
+
+    def _keep_run_id(self, saved: str) -> None:
+        # A run's id is fixed when it starts: a rerun or resume keeps it whatever run_id it
+        # is given (a renamed run directory's notebook passes the new name), so the record
+        # returned is the record on disk.
+        self.record["run_id"] = saved
 
     def _old_record(self) -> dict | None:
         if not (self.out / records.RECORD_FILE).exists():

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from .config import ConfigError
+
 LOCK_FILE = ".lock"
 PID_FILE = ".lock.pid"
 ENV = "LAB_RUN_LOCK"
@@ -59,6 +61,24 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_run_dir(out: Path, name: str = "out_dir") -> None:
+    """Refuse a run directory that cannot be created or written, before anything runs;
+    ``name`` is what the caller calls it (``--out``, ``out_dir``)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{name} {out} is a file; give a directory for the run")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{name} {out}: {existing} is a file, so the run directory cannot "
+                          "be made there; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the run directory" if existing == out else f"{existing}, where it would be made,"
+        raise ConfigError(f"{name} {out}: {what} is not writable; choose a directory you can "
+                          "write to")
 
 
 def _file_lock(run_dir: Path) -> FileLock:

@@ -133,15 +133,23 @@ class Protocol:
 
     def _check_overrides(self) -> None:
         for key, table in self.overrides.items():
-            if key not in self.grid or not isinstance(table, dict):
+            if key not in self.grid:
                 raise ProtocolError(
-                    f"Protocol.overrides[{key!r}] must map values of the grid key {key!r} "
-                    f"to parameter mappings; grid keys: {', '.join(sorted(self.grid))}")
+                    f"Protocol.overrides[{key!r}]: {key!r} is not a grid key; overrides are "
+                    f"keyed by grid keys: {', '.join(sorted(self.grid))}")
+            if not isinstance(table, dict):
+                raise ProtocolError(
+                    f"Protocol.overrides[{key!r}] is a {type(table).__name__}; it must map "
+                    f"values of grid[{key!r}] to parameter mappings")
             for value, params in table.items():
-                if value not in self.grid[key] or not isinstance(params, dict):
+                if value not in self.grid[key]:
                     raise ProtocolError(
-                        f"Protocol.overrides[{key!r}][{value!r}] must be a mapping for a value "
-                        f"in grid[{key!r}] = {self.grid[key]!r}")
+                        f"Protocol.overrides[{key!r}][{value!r}]: {value!r} is not a value of "
+                        f"grid[{key!r}] = {self.grid[key]!r}, so it would never apply")
+                if not isinstance(params, dict):
+                    raise ProtocolError(
+                        f"Protocol.overrides[{key!r}][{value!r}] is {params!r} "
+                        f"({type(params).__name__}); it must be a mapping of parameter: value")
                 clash = sorted(set(params) & set(self.grid))
                 if clash:
                     raise ProtocolError(f"Protocol.overrides[{key!r}][{value!r}] sets grid "

@@ -5,6 +5,7 @@ kernels die with the `lab` process."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_read_only_out_directory(tmp_path, capsys, no_kernel):
 def test_unwritable_out_is_refused_before_anything_runs(tmp_path, capsys, no_kernel,
                                                         monkeypatch):
     # Root may write anywhere, so the check is exercised through what os.access says.
-    monkeypatch.setattr(lab.cli.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(runlock.os, "access", lambda path, mode: False)
     for command in (["train"], ["run", str(ECHO)]):
         assert cli_main([*command, "--out", str(tmp_path / "r")]) == 2
         err = _one_paragraph(capsys.readouterr().err)
@@ -462,3 +463,36 @@ def test_a_finished_run_whose_data_file_changed_is_not_done(tmp_path):
     assert changed_files(record["data"]) == [f"{data}: size 10 then, 12 now"]
     data.unlink()
     assert changed_files(record["data"]) == [f"{data}: the file is gone"]
+
+
+def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_path, capsys):
+    fixture = tmp_path / "summary"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "summary", fixture)
+    summary = ROOT / "notebooks" / "10-summary.ipynb"
+    text = (fixture / "protocol.yaml").read_text().replace(
+        "../../../notebooks/01-train-conv.ipynb", str(ROOT / "notebooks" / "01-train-conv.ipynb"))
+    (fixture / "protocol.yaml").write_text(f"{text}report: {summary}\n")
+    other = tmp_path / "my-summary.ipynb"
+    shutil.copy(summary, other)
+    reports = tmp_path / "reports"
+    protocol = str(fixture / "protocol.yaml")
+    assert cli_main(["report", protocol, "--out", str(reports)]) == 0
+    assert cli_main(["report", protocol, "--notebook", str(other), "--out", str(reports)]) == 0
+    assert f"report: {(reports / 'fixture.my-summary.html').resolve()}" in capsys.readouterr().out
+    assert sorted(p.name for p in reports.iterdir()) == [
+        "fixture", "fixture.html", "fixture.my-summary", "fixture.my-summary.html"]
+    # --runs naming no directory is refused before anything executes
+    assert cli_main(["report", protocol, "--runs", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "r2")]) == 2
+    assert f"--runs {tmp_path / 'nope'}: no such directory of runs" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()
+
+
+def test_lab_runs_into_a_closed_pipe_is_quiet():
+    """`lab runs ... | head`: the reader leaves early; no BrokenPipeError traceback."""
+    code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); "
+            "from lab.cli import main; sys.exit(main(['runs', sys.argv[1]]))")
+    done = subprocess.run([sys.executable, "-c", code,
+                           str(ROOT / "tests" / "fixtures" / "summary" / "protocol.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")

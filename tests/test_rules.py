@@ -585,6 +585,9 @@ def rule_layers(model):
     ("nodepert", {"pert_directions": 0}, r"pert_directions=0 is out of range"),
     ("dfa", {"feedback_scale": -1.0}, r"feedback_scale=-1.0 is out of range"),
     ("dfa", {"projection_norm": "bp"}, r"projection_norm='bp'.*'fixed', 'gradient'"),
+    ("kp_traffic", {"traffic_ratio": 1e300}, r"traffic_ratio=1e\+300 is out of range; allowed: "
+     r"\[0.0, 10000.0\]"),
+    ("sdil", {"traffic_ratio": 2e4}, r"traffic_ratio=20000.0 is out of range"),
     ("fa", {"feedback_seed": 2**63}, r"feedback_seed=9223372036854775808 is out of range; "
      r"allowed: \[0, 9223372036854775807\]"),
     ("kp", {"mirror_every": 3}, r"rule 'kp' has no parameter\(s\) 'mirror_every'; it takes "

@@ -62,10 +62,14 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"grid": {"x": []}}, r"grid values must be non-empty lists; got x: \[\]"),
     ({"grid": {"x": 3}}, r"grid values must be non-empty lists; got x: 3"),
     ({"grid": {"x": [1, 1]}}, r"duplicate run ids: x-1 from \{\"x\": 1\} and \{\"x\": 1\}"),
-    ({"overrides": {"y": {1: {"fail_on": 1}}}}, r"overrides\['y'\] must map values of the grid "
-     r"key 'y'"),
-    ({"overrides": {"x": {3: {"fail_on": 1}}}}, r"overrides\['x'\]\[3\] must be a mapping for "
-     r"a value in grid\['x'\] = \[1, 2\]"),
+    ({"overrides": {"y": {1: {"fail_on": 1}}}}, r"overrides\['y'\]: 'y' is not a grid key; "
+     r"overrides are keyed by grid keys: x$"),
+    ({"overrides": {"x": [1]}}, r"overrides\['x'\] is a list; it must map values of "
+     r"grid\['x'\] to parameter mappings$"),
+    ({"overrides": {"x": {3: {"fail_on": 1}}}}, r"overrides\['x'\]\[3\]: 3 is not a value of "
+     r"grid\['x'\] = \[1, 2\], so it would never apply$"),
+    ({"overrides": {"x": {1: 5}}}, r"overrides\['x'\]\[1\] is 5 \(int\); it must be a mapping "
+     r"of parameter: value$"),
     ({"overrides": {"x": {1: {"x": 2}}}}, r"overrides\['x'\]\[1\] sets grid key\(s\) x"),
     ({"overrides": {"x": {1: {"lr": 2}}}}, r"does not declare parameter\(s\) 'lr'"),
     ({"grid": {"x": ["a b", "a-b"]}}, r"duplicate run ids: x-a-b"),

@@ -488,3 +488,19 @@ def test_a_norm_without_affine_parameters_trains_like_kp():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         _same(grads[1][name], grads[0][name], name)
+
+
+def test_calibrated_gains_hold_the_ratio_and_refuse_leaving_the_dtype():
+    from lab.config import ConfigError
+    from lab.rules.traffic import calibrated_gains
+
+    # RMS(I) / RMS(C h) = sqrt(ss_i / ss_ch): 2 and 1/3; a population with C h == 0 gets 0.
+    assert calibrated_gains("kp_traffic", 4.0, [16.0, 1.0, 5.0], [4.0, 9.0, 0.0],
+                            torch.float64) == [8.0, 4.0 / 3.0, 0.0]
+    with pytest.raises(ConfigError, match=r"^kp_traffic: rule_params.traffic_ratio=10000.0 "
+                                          r"calibrates population 1's gain to 1e\+64 \(RMS\(I\) / "
+                                          r"RMS\(C h\) = 1e\+60\), beyond torch.float32's range; "
+                                          r"use a smaller traffic_ratio$"):
+        calibrated_gains("kp_traffic", 1e4, [1.0, 1e80], [1.0, 1e-40], torch.float32)
+    assert calibrated_gains("kp_traffic", 1e4, [1.0, 1e80], [1.0, 1e-40],
+                            torch.float64)[1] == pytest.approx(1e64, rel=1e-12)

@@ -531,3 +531,34 @@ def test_switching_the_rule_with_replace_names_the_params_to_pass():
                                           r"rule too"):
         dataclasses.replace(ConvConfig(rule="fa"), rule="bp")
     assert dataclasses.replace(ConvConfig(rule="fa"), rule="bp", rule_params={}).rule == "bp"
+
+
+def test_a_rerun_keeps_the_runs_id_and_record(tiny, tmp_path):
+    """The record returned for a finished run is the one on disk, whatever run_id is given."""
+    config = ConvConfig(**{**tiny, "epochs": 1})
+    first = train_conv(config, tmp_path / "r", run_id="x")
+    again = train_conv(config, tmp_path / "r", run_id="z")
+    on_disk = records.load_record(tmp_path / "r")
+    assert first["run_id"] == again["run_id"] == on_disk["run_id"] == "x"
+    assert again["updated"] == on_disk["updated"] == first["updated"]
+
+
+@pytest.mark.parametrize("trainer, cls", [("train_conv", "ConvConfig"), ("train_ep", "EPConfig"),
+                                          ("train_cfc_aux", "CfCAuxConfig")])
+def test_trainers_name_a_wrong_config_or_run_directory(tmp_path, trainer, cls):
+    import lab.train as train
+    fn = getattr(train, trainer)
+    with pytest.raises(TypeError, match=rf"^{trainer} expects a config of type {cls}, got "
+                                        rf"\{{'rule': 'bp'\}} \(dict\); build one with "
+                                        rf"{cls}\(\.\.\.\) or lab.config.from_dict\({cls}, "
+                                        r"values\)$"):
+        fn({"rule": "bp"}, tmp_path / "r")
+    (tmp_path / "file").write_text("x")
+    config = getattr(train, cls)()
+    with pytest.raises(ConfigError, match=rf"^out_dir {tmp_path / 'file'} is a file; give a "
+                                          r"directory for the run$"):
+        fn(config, tmp_path / "file")
+    with pytest.raises(ConfigError, match=rf"^out_dir {tmp_path / 'file' / 'r'}: "
+                                          rf"{tmp_path / 'file'} is a file, so the run directory "
+                                          r"cannot be made there; choose another path$"):
+        fn(config, tmp_path / "file" / "r")

@@ -75,7 +75,7 @@ from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
 from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below
 from .registry import register
-from .traffic import SIGNALS, _conv_weight_grad, apical_rms
+from .traffic import SIGNALS, TRAFFIC_RATIO_MAX, _conv_weight_grad, apical_rms, calibrated_gains
 
 
 def _need_resnet(model, name):
@@ -282,7 +282,7 @@ class SDILParams:
     a_warmup_steps: int = bounded(10, 0)
     calibration_batch: int = bounded(128, 1)
     traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
-    traffic_ratio: float = bounded(4.0, 0.0)  # RMS(T) / RMS(I) after calibration
+    traffic_ratio: float = bounded(4.0, 0.0, TRAFFIC_RATIO_MAX)  # as kp_traffic's
     traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(256, 1)
     predictor_lr: float = bounded(0.5, 0.0, 1.0, lo_open=True)
@@ -461,8 +461,8 @@ class SDIL(Rule):
                 ss_i[i] += float(ins.double().square().sum())
                 ss_ch[i] += float((self.coefficients[i].double() * hs[i].double())
                                   .square().sum())
-        self.gains = [self.params.traffic_ratio * math.sqrt(si / sc) if sc > 0 else 0.0
-                      for si, sc in zip(ss_i, ss_ch)]
+        self.gains = calibrated_gains(self.name, self.params.traffic_ratio, ss_i, ss_ch,
+                                      next(self.model.parameters()).dtype)
         self.gain_examples = len(y)
 
     # -- diagnostics, state, bill ------------------------------------------------------

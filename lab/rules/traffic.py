@@ -63,6 +63,8 @@ from .common import derive_seed
 from .feedback import KolenPollack
 from .registry import register
 
+TRAFFIC_RATIO_MAX = 1e4
+
 SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
 
 
@@ -71,7 +73,9 @@ class TrafficParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)
     traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
-    traffic_ratio: float = bounded(4.0, 0.0)  # RMS(T) / RMS(I) after calibration
+    # RMS(T) / RMS(I) after calibration; above 1e4 the instruction is below a thousandth
+    # of the traffic's float32 rounding-free part (eps 1.2e-7 x 1e4 ~ 1e-3 of I)
+    traffic_ratio: float = bounded(4.0, 0.0, TRAFFIC_RATIO_MAX)
     traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(512, 1)
     predictor_lr: float = bounded(0.5, 0.0, 1.0, lo_open=True)  # eta_P of the NLMS step
@@ -398,8 +402,8 @@ class KolenPollackTraffic(KolenPollack):
             for i in range(n):
                 ss_i[i] += float(ins[i].double().square().sum())
                 ss_ch[i] += float((self.coefficients[i].double() * hs[i].double()).square().sum())
-        self.gains = [self.params.traffic_ratio * math.sqrt(si / sc) if sc > 0 else 0.0
-                      for si, sc in zip(ss_i, ss_ch)]
+        self.gains = calibrated_gains(self.name, self.params.traffic_ratio, ss_i, ss_ch,
+                                      next(self.model.parameters()).dtype)
         self.calibration_examples = len(y)
 
     @torch.no_grad()
@@ -514,6 +518,20 @@ class KolenPollackTraffic(KolenPollack):
             apical = {"mixed_local": 30 * units * examples}
         updates = self.predictor_examples * 8 * units  # warm-up and training batches
         return {**super().elementwise(examples), **apical, "predictor": updates}
+
+
+def calibrated_gains(rule: str, ratio: float, ss_i: list, ss_ch: list, dtype) -> list:
+    """g_l = ratio x RMS(I_l) / RMS(C_l h_l) from the sums of squares over the calibration
+    examples (0 where C h is all zero); ConfigError if a gain leaves ``dtype``'s range."""
+    gains = [ratio * math.sqrt(si / sc) if sc > 0 else 0.0 for si, sc in zip(ss_i, ss_ch)]
+    largest = torch.finfo(dtype).max
+    for i, g in enumerate(gains):
+        if not g < largest:  # also NaN
+            raise ConfigError(
+                f"{rule}: rule_params.traffic_ratio={ratio} calibrates population {i}'s gain "
+                f"to {g:.3g} (RMS(I) / RMS(C h) = {math.sqrt(ss_i[i] / ss_ch[i]):.3g}), beyond "
+                f"{dtype}'s range; use a smaller traffic_ratio")
+    return gains
 
 
 def apical_rms(names: list[str], sums: dict, numels: list[int]) -> dict:

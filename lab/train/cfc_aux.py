@@ -60,7 +60,7 @@ from ..data.prices import (
     vega_prices,
 )
 from ..device import configure_process, resolve_device, seeded, sync
-from ..lifecycle import Divergence, Expectation, Lifecycle
+from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models.cfc import ACTIVATIONS, MODES, CfC
 
 AUX_MODES = ("lift", "never", "none")
@@ -424,7 +424,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there and an interrupted run of the same config
     resumes from its last checkpoint.
     """
-    config.preflight()  # what the data decides, before anything is made
+    check_start(config, CfCAuxConfig, out_dir, caller="train_cfc_aux")  # before anything is made
     run = build_run(config)
     life = Lifecycle(kind="cfc_aux", config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),

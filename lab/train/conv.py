@@ -32,7 +32,7 @@ from ..data.identity import absolute
 from ..device import configure_process, resolve_device, seeded, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
-from ..lifecycle import Divergence, Expectation, Lifecycle
+from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
 from ..rules.base import check_example_needs
@@ -286,7 +286,7 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there, and a checkpoint left by an
     interrupted run of the same config is picked up where it stopped.
     """
-    config.preflight()  # what the data decides, before anything is made
+    check_start(config, ConvConfig, out_dir, caller="train_conv")  # before anything is made
     run = build_run(config)
     life = Lifecycle(kind="conv", config=config, expect=expectation(config), parts=parts(run),
                      out_dir=out_dir, run_id=run_id, device=str(run.device),

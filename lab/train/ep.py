@@ -578,9 +578,9 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
     The record's ``steps`` holds one row per step (see :func:`expectation`); with ``out_dir``
     a killed run resumes from its last checkpoint of the same config.
     """
-    from ..lifecycle import Lifecycle
+    from ..lifecycle import Lifecycle, check_start
 
-    config.preflight()  # what the text decides, before anything is made
+    check_start(config, EPConfig, out_dir, caller="train_ep")  # before anything is made
     run = build_ep(config)
     with Lifecycle(kind="ep", config=config, expect=expectation(config), out_dir=out_dir,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
