@@ -1,15 +1,20 @@
 """Analyses over run records: protocol loading, completeness, summaries, figures.
 
-Nothing here imports torch: records are plain JSON and parquet.
+Nothing here imports torch: a run's record is plain JSON (``record.json``) and its
+rows are JSON-lines parts (``rows/<axis>/<start>-<end>.jsonl``), read by ``lab.records``.
+Arguments are checked (``analysis.checks``): a bare str where a list of names is
+expected, an unknown field or axis, an empty table, is an error naming the
+parameter, the value and what is allowed.
 """
 
+from .checks import check_names
 from .completeness import IncompleteProtocolError, check_complete, find_problems
 from .figures import NotebookFigure, curve_bands, learning_curves, run_curves
 from .load import ProtocolRuns, load_protocol_runs
 from .summary import format_mean_std, summarize
 
 __all__ = [
-    "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "curve_bands",
-    "find_problems", "format_mean_std", "learning_curves", "load_protocol_runs", "run_curves",
-    "summarize",
+    "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "check_names",
+    "curve_bands", "find_problems", "format_mean_std", "learning_curves", "load_protocol_runs",
+    "run_curves", "summarize",
 ]

@@ -19,9 +19,11 @@ was recorded as null is absent from the tidy table, so it counts as missing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pandas as pd
+
+from .checks import names
 
 
 class IncompleteProtocolError(ValueError):
@@ -108,11 +110,17 @@ def _final_problems(run_id: str, rows: pd.DataFrame, fields: list[str]) -> list[
     return problems
 
 
-def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Iterable[str],
-                  row_metrics: Iterable[str] = (), final_metrics: Iterable[str] = ()) -> list[str]:
-    """Every problem :func:`check_complete` would report, one line each (empty = complete)."""
-    expected = list(expected_ids)
-    row_metrics, final_metrics = list(row_metrics), list(final_metrics)
+def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
+                  row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> list[str]:
+    """Every problem :func:`check_complete` would report, one line each (empty = complete).
+
+    ``expected_ids``, ``row_metrics`` and ``final_metrics`` are lists (or tuples) of
+    names; a bare str is refused (TypeError naming the parameter), not read letter
+    by letter.
+    """
+    expected = names(expected_ids, "expected_ids", "run ids")
+    row_metrics = names(row_metrics, "row_metrics")
+    final_metrics = names(final_metrics, "final_metrics")
     problems = []
     present = set(runs["run_id"]) if len(runs) else set()
     missing = [run_id for run_id in expected if run_id not in present]
@@ -140,8 +148,8 @@ def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Itera
     return list(dict.fromkeys(problems))
 
 
-def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Iterable[str],
-                   row_metrics: Iterable[str] = (), final_metrics: Iterable[str] = ()) -> None:
+def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
+                   row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> None:
     """Raise IncompleteProtocolError listing every gap, or return None when complete.
 
     Complete means: every expected run is present with status ``complete`` and
@@ -149,7 +157,7 @@ def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Iter
     metrics), plus ``row_metrics`` on every row and ``final_metrics``, all
     present and finite. Runs that are not expected are ignored.
     """
-    expected = list(expected_ids)
+    expected = names(expected_ids, "expected_ids", "run ids")
     problems = find_problems(runs, metrics, expected, row_metrics, final_metrics)
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)

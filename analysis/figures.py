@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
+from .checks import names
+
 _PANEL = (4.2, 3.2)
 
 
@@ -40,7 +42,9 @@ AXES = ("epoch", "step")
 def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
         ("train_loss", "val_loss"), ("train_acc", "val_acc")), title: str = "") -> NotebookFigure:
     """One run's curves over its rows (per epoch, or per step): one panel per
-    tuple of fields."""
+    tuple of fields, e.g. ``[("train_loss", "val_loss")]``; a field no row has is
+    left out of its panel (a run without validation has no val_loss)."""
+    fields = _panels(fields)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
     axis = next((name for name in AXES if trajectory and name in trajectory[0]), "epoch")
@@ -60,12 +64,25 @@ def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
     return fig
 
 
+def _panels(fields) -> list[tuple[str, ...]]:
+    """run_curves' ``fields``: a non-empty list of tuples of names, one tuple per panel."""
+    expected = ("a list of tuples of field names, one tuple per panel, e.g. "
+                "[('train_loss', 'val_loss'), ('train_acc',)]")
+    ok = isinstance(fields, list | tuple) and len(fields) > 0 and all(
+        isinstance(panel, list | tuple) and panel and all(isinstance(f, str) for f in panel)
+        for panel in fields)
+    if not ok:
+        raise TypeError(f"run_curves: fields must be {expected}; got {fields!r}")
+    return [tuple(panel) for panel in fields]
+
+
 def group_label(row: pd.Series, group_keys: Sequence[str]) -> str:
     return ", ".join(f"{key}={row[key]}" for key in group_keys) or "all runs"
 
 
 def row_axis(metrics: pd.DataFrame, fields: Sequence[str] = ()) -> str:
     """The axis the rows of ``fields`` are on: "epoch" when any are, else "step"."""
+    fields = names(fields, "fields")
     rows = metrics[metrics["metric"].isin(list(fields))] if len(fields) else metrics
     on_epochs = (rows["axis"] == "epoch").any()
     return "step" if not on_epochs and (rows["axis"] == "step").any() else "epoch"
@@ -75,12 +92,45 @@ def curve_bands(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence
                 field: str, axis: str | None = None) -> pd.DataFrame:
     """Per group and row (epoch or step; the column is named after the axis):
     mean, std (over seeds, ddof=1) and n of ``field``."""
+    group_keys = names(group_keys, "group_keys", "column names")
+    if not isinstance(field, str):
+        raise TypeError(f"curve_bands: field must be one metric name (str), got {field!r} "
+                        f"({type(field).__name__})")
+    _check_axis(axis)
     axis = axis or row_axis(metrics, [field])
     rows = metrics[(metrics["axis"] == axis) & (metrics["metric"] == field)]
     labels = table.assign(group=[group_label(r, group_keys) for _, r in table.iterrows()])
     rows = rows.merge(labels[["run_id", "group"]], on="run_id")
     stats = rows.groupby(["group", "index"])["value"].agg(["mean", "std", "count"])
     return stats.rename(columns={"count": "n"}).reset_index().rename(columns={"index": axis})
+
+
+def _check_axis(axis) -> None:
+    if axis is not None and axis not in AXES:
+        raise ValueError(f"axis must be one of {', '.join(map(repr, AXES))} (or None: the "
+                         f"axis the field is logged on), got {axis!r}")
+
+
+def _listing(values, limit: int = 30) -> str:
+    values = sorted(values)
+    shown = ", ".join(values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "") \
+        if values else "none"
+
+
+def _check_fields(metrics: pd.DataFrame, table: pd.DataFrame, fields: list[str],
+                  axis: str | None) -> None:
+    """Every field has rows among the table's runs (on ``axis`` when given)."""
+    rows = metrics[metrics["run_id"].isin(set(table["run_id"])) & metrics["axis"].isin(AXES)]
+    if axis is not None:
+        rows = rows[rows["axis"] == axis]
+    have = set(rows["metric"])
+    unknown = [field for field in fields if field not in have]
+    if unknown:
+        where = f"on the {axis} axis" if axis else "on the epoch or step axis"
+        raise ValueError(f"learning_curves: no run of the table has field(s) "
+                         f"{', '.join(map(repr, unknown))} {where}; fields there: "
+                         f"{_listing(have)}")
 
 
 def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence[str],
@@ -91,8 +141,17 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
 
     ``metrics`` is the tidy table (``lab.records.load_metrics``); ``table`` maps
     run_id to its grid values (``ProtocolRuns.table()``); ``axis``: "epoch" or
-    "step" (default: the axis the fields are logged on).
+    "step" (default: the axis the fields are logged on). A field that none of
+    the table's runs logged (on ``axis``, when given) is a ValueError naming it
+    and the fields there are, not an empty panel.
     """
+    group_keys = names(group_keys, "group_keys", "column names")
+    fields = names(fields, "fields")
+    if not fields:
+        raise ValueError("learning_curves: fields is empty; name at least one metric to "
+                         "draw, e.g. ['train_loss']")
+    _check_axis(axis)
+    _check_fields(metrics, table, fields, axis)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
     for ax, field in zip(axes, fields):

@@ -25,6 +25,7 @@ import pandas as pd
 from lab import records
 from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
 
+from .checks import path_like
 from .completeness import check_complete
 
 
@@ -81,8 +82,12 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     """Load ``protocol_path`` and its runs (from ``runs_dir``, default the protocol's ``out``).
 
     A missing runs directory loads as no runs: the completeness check then
-    lists every run as missing.
+    lists every run as missing. A protocol or runs directory that is not a path
+    (``-p protocol 3`` in a notebook) is a TypeError naming it.
     """
+    path_like(protocol_path, "protocol", "the path of a protocol YAML file")
+    if runs_dir is not None and runs_dir != "":  # empty, like None: the protocol's out
+        path_like(runs_dir, "runs_dir", "a directory of runs (or empty/None: the protocol's out)")
     protocol = load_protocol(protocol_path, configs=False)  # no config class: no torch
     specs = expand(protocol)
     directory = Path(runs_dir or protocol.out)

@@ -39,10 +39,13 @@ def check_mt1_complete(data) -> None:
     """Every run complete with the MT-1 trajectories and final diagnostics (one error).
 
     The diagnostics in ``MEASURED`` must be present; they may be NaN only in a run
-    with silent populations (see above), and then the tables show NaN.
+    with silent populations (see above), and then the tables show NaN. A protocol
+    without the ``rule_params.traffic_rule`` grid key is not MT-1: one ValueError
+    says so, instead of a list of everything such runs lack.
     """
     from .completeness import IncompleteProtocolError, find_problems
 
+    _table(data)
     problems = find_problems(data.runs, data.metrics, data.expected_ids, ROW_METRICS,
                              FINAL_METRICS)
     finals = data.metrics[data.metrics["axis"] == "final"]

@@ -23,26 +23,79 @@ from .figures import NotebookFigure as Figure
 FINAL_FIELDS = ("test_acc",)
 FEEDBACK_FIELDS = ("rule/feedback/mean_cos", "rule/feedback/min_cos",
                    "rule/feedback/mean_rel_err")
+# rules_table's alignment columns: required at each run's last epoch.
+ALIGNMENT_FIELDS = ("alignment/mean_update_cos", "alignment/mean_teaching_cos")
 FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
+
+
+def _last_epoch(expect) -> int | None:
+    """The axis value of a run's last row on the epoch axis, from its declaration."""
+    if not isinstance(expect, dict) or expect.get("axis") != "epoch" or not expect.get("count"):
+        return None
+    return (expect["count"] - 1) * expect.get("stride", 1)
+
+
+def _last_epoch_problems(data) -> list[str]:
+    """Each complete run lacking a finite ``ALIGNMENT_FIELDS`` value at its last epoch
+    (a run that is not complete is already reported by its status)."""
+    m = data.metrics
+    rows = m[(m["axis"] == "epoch") & m["metric"].isin(ALIGNMENT_FIELDS)]
+    values = {(r, i, name): v for r, i, name, v in
+              zip(rows["run_id"], rows["index"], rows["metric"], rows["value"])}
+    runs = {run.run_id: run for run in data.runs.itertuples(index=False)}
+    problems = []
+    for run_id in data.expected_ids:
+        run = runs.get(run_id)
+        last = _last_epoch(getattr(run, "expect", None))
+        if run is None or run.status != "complete" or last is None:
+            continue  # find_problems names a missing, unfinished or undeclared run
+        missing = [name for name in ALIGNMENT_FIELDS if (run_id, last, name) not in values]
+        bad = [f"{name} ({values[(run_id, last, name)]})" for name in ALIGNMENT_FIELDS
+               if name not in missing and not math.isfinite(values[(run_id, last, name)])]
+        if missing:
+            problems.append(f"{run_id}: {', '.join(map(repr, missing))} missing at its last "
+                            f"epoch ({last})")
+        if bad:
+            problems.append(f"{run_id}: non-finite at its last epoch ({last}): "
+                            f"{', '.join(bad)}")
+    return problems
 
 
 def check_rules_complete(data) -> None:
     """Every run complete with its alignment; rules with feedback tensors also with tracking.
 
-    ``data`` is a ``ProtocolRuns`` whose grid has a ``rule`` key. One error lists
-    every gap across both checks.
+    ``data`` is a ``ProtocolRuns`` whose grid has a ``rule`` key. Alignment means
+    ``ALIGNMENT_FIELDS``, present and finite at each run's last epoch (what
+    :func:`rules_table` reports): a protocol run with ``alignment_every: 0``, or
+    with an ``alignment_every`` that does not divide ``epochs``, is refused. One
+    error lists every gap across the checks.
     """
     problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS)
     with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
     present = set(data.runs["run_id"])
     problems += find_problems(data.runs, data.metrics, [i for i in with_feedback if i in present],
                               FEEDBACK_FIELDS)
-    problems = list(dict.fromkeys(problems))  # a bad status would be listed twice
+    alignment = _last_epoch_problems(data)
+    problems = list(dict.fromkeys(problems + alignment))  # a bad status would be listed twice
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
+        hint = ("\nThe rule comparison reports alignment with backprop at each run's last "
+                "epoch: run the protocol with alignment_every dividing epochs (alignment_every: "
+                "1 measures every epoch)." if alignment else "")
         raise IncompleteProtocolError(
             f"incomplete data: {len(problems)} problem(s) across {len(data.expected_ids)} "
-            f"expected runs (only complete data is summarised):\n{lines}", problems)
+            f"expected runs (only complete data is summarised):\n{lines}{hint}", problems)
+
+
+def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:
+    """A table with runs and the columns ``caller`` reads, or a ValueError/KeyError saying so."""
+    missing = [c for c in columns if c not in table.columns]
+    if missing:
+        raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table; columns: "
+                       f"{', '.join(map(str, table.columns))}")
+    if not len(table):
+        raise ValueError(f"{caller}: the table has no runs (one row per run is expected: "
+                         "ProtocolRuns.table())")
 
 
 def _epoch_rows(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
@@ -60,6 +113,7 @@ def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str
 
 def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure:
     """Test accuracy per rule: bar = mean over seeds, error bar = std, dots = seeds."""
+    _check_table(table, "accuracy_bars", ["rule", metric])
     fig = Figure(figsize=(7, 3.4), layout="constrained")
     ax = fig.subplots()
     grouped = table.groupby("rule", sort=True)[metric]
@@ -114,6 +168,7 @@ def mean_lines(frame: pd.DataFrame, ylabel: str) -> Figure:
 
 def compute_bill(table: pd.DataFrame, runs_dir) -> pd.DataFrame:
     """Per rule: MACs per training example by component (mean over seeds), and total."""
+    _check_table(table, "compute_bill", ["run_id", "rule"])
     rows = []
     for run_id, rule in zip(table["run_id"], table["rule"]):
         work = records.load_record(f"{runs_dir}/{run_id}")["work"]
@@ -139,16 +194,29 @@ def bill_bars(bill: pd.DataFrame) -> Figure:
 
 
 def _last_epoch_mean(data, table: pd.DataFrame, metric: str) -> pd.Series:
+    """Per rule, the mean over seeds of ``metric`` at each run's own last epoch (its
+    declared row count). A rule none of whose runs logged ``metric`` is left out (NaN
+    in :func:`rules_table`: no feedback tensors); a run that logged it but not at its
+    last epoch is a ValueError, never an earlier epoch's value in its place."""
     m = data.metrics
-    rows = m[(m["axis"] == "epoch") & (m["metric"] == metric)]
-    last = rows.groupby("run_id")["index"].transform("max") == rows["index"]
-    rows = rows[last].merge(table[["run_id", "rule"]], on="run_id")
+    rows = m[(m["axis"] == "epoch") & (m["metric"] == metric)
+             & m["run_id"].isin(set(table["run_id"]))]
+    last = {run_id: _last_epoch(expect) for run_id, expect in
+            zip(data.runs["run_id"], data.runs["expect"])}
+    at_last = rows[rows["index"] == rows["run_id"].map(last)]
+    gaps = sorted(set(rows["run_id"]) - set(at_last["run_id"]))
+    if gaps:
+        raise ValueError(f"{metric!r} is missing at the last epoch of run(s) "
+                         f"{', '.join(f'{r} (epoch {last.get(r)})' for r in gaps)}; "
+                         "an earlier epoch's value is not the last epoch's")
+    rows = at_last.merge(table[["run_id", "rule"]], on="run_id")
     return rows.groupby("rule")["value"].mean()
 
 
 def rules_table(data) -> pd.DataFrame:
     """The README's table: per rule, test accuracy (mean, std over seeds, in %), its gap
-    to bp in points, last-epoch alignment and feedback cosine (means over seeds), and
+    to bp in points, alignment and feedback cosine at each run's last epoch (means over
+    seeds; feedback_cos is NaN for a rule without feedback tensors), and
     MACs per training example as a multiple of one forward pass. Refuses incomplete
     data (:func:`check_rules_complete`): a mean over the runs that happen to exist
     is not the protocol's result."""

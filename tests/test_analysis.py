@@ -376,3 +376,143 @@ def test_a_killed_run_reads_interrupted_in_the_analysis_as_in_lab_runs(fixture_c
     with pytest.raises(IncompleteProtocolError, match=r"lr-0.2_rule-bp_seed-1: status "
                                                       r"'interrupted', not 'complete'"):
         data.check_complete(TRAJECTORY, FINAL)
+
+
+# ---------------------------------------------------------------------------
+# arguments: what a researcher typed wrong is named, with its value and what is allowed
+
+
+def test_a_bare_string_is_refused_where_a_list_of_names_is_expected():
+    from analysis import check_names, find_problems
+
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    with pytest.raises(TypeError, match=r"^final_metrics must be a list of metric names, "
+                                        r"got 'test_acc' \(str\)$"):
+        check_complete(data.runs, data.metrics, data.expected_ids, final_metrics="test_acc")
+    with pytest.raises(TypeError, match=r"^row_metrics must be a list of metric names, "
+                                        r"got 'val_acc' \(str\)$"):
+        find_problems(data.runs, data.metrics, data.expected_ids, row_metrics="val_acc")
+    with pytest.raises(TypeError, match=r"^expected_ids must be a list of run ids, "
+                                        r"got 'lr-0.05_rule-bp_seed-0' \(str\)$"):
+        find_problems(data.runs, data.metrics, "lr-0.05_rule-bp_seed-0")
+    # The notebooks' parameters, named as the notebook names them.
+    with pytest.raises(TypeError, match=r"^final_fields must be a list of metric names, "
+                                        r"got 'test_acc' \(str\)$"):
+        check_names(trajectory_fields=["train_loss"], final_fields="test_acc")
+    with pytest.raises(TypeError, match=r"^curve_fields must be a list of metric names, "
+                                        r"got None \(NoneType\)$"):
+        check_names(curve_fields=None)
+    with pytest.raises(TypeError, match=r"^final_fields must be a list of metric names, "
+                                        r"got \['test_acc', 3\] \(3 is int, not a name\)$"):
+        check_names(final_fields=["test_acc", 3])
+    check_names(final_fields=["test_acc"], curve_fields=("train_loss",), none=[])
+    with pytest.raises(TypeError, match=r"^group_keys must be a list of column names, "
+                                        r"got 'lr' \(str\)$"):
+        summarize(data.table(), "lr", ["final.test_acc"])
+    with pytest.raises(TypeError, match=r"^metrics must be a list of column names, "
+                                        r"got 'final.test_acc' \(str\)$"):
+        summarize(data.table(), ["lr"], "final.test_acc")
+    with pytest.raises(TypeError, match=r"^fields must be a list of metric names, "
+                                        r"got 'train_loss' \(str\)$"):
+        learning_curves(data.metrics, data.table(), data.group_keys, "train_loss")
+    with pytest.raises(TypeError, match=r"^protocol must be the path of a protocol YAML file, "
+                                        r"got 3 \(int\)$"):
+        load_protocol_runs(3)
+    with pytest.raises(TypeError, match=r"^runs_dir must be a directory of runs .*got 3 \(int\)$"):
+        load_protocol_runs(FIXTURE / "protocol.yaml", 3)
+    # Empty, like None: the protocol's out directory.
+    assert len(load_protocol_runs(str(FIXTURE / "protocol.yaml"), "").runs) == 4
+
+
+def test_summary_notebook_names_a_parameter_that_is_not_a_list(tmp_path):
+    result = execute(SUMMARY, tmp_path / "report", {"protocol": str(FIXTURE / "protocol.yaml"),
+                                                    "final_fields": "test_acc"}, record=False)
+    assert result.status == "failed"
+    assert "final_fields must be a list of metric names, got 'test_acc' (str)" in result.error
+
+
+def test_summary_counts_the_values_behind_each_mean():
+    # Two groups of two seeds; one value is NaN: its mean and std are over the one value
+    # that is there, and the count says 1 of 2.
+    table = pd.DataFrame({"run_id": list("abcd"), "rule": ["bp", "bp", "kp", "kp"],
+                          "final.acc": [0.2, math.nan, 0.5, 0.7],
+                          "final.loss": [1.0, 3.0, 2.0, 2.5]})
+    summary = summarize(table, ["rule"], ["final.acc", "final.loss"])
+    assert list(summary.columns) == [
+        "rule", "final.acc/mean", "final.acc/std", "final.acc/n",
+        "final.loss/mean", "final.loss/std", "final.loss/n", "n"]
+    assert list(summary["final.acc/n"]) == [1, 2] and list(summary["n"]) == [2, 2]
+    assert list(summary["final.loss/n"]) == [2, 2]
+    assert summary.loc[0, "final.acc/mean"] == pytest.approx(0.2, abs=1e-12)
+    assert math.isnan(summary.loc[0, "final.acc/std"])  # one value: no spread
+    assert summary.loc[1, "final.acc/mean"] == pytest.approx(0.6, abs=1e-12)
+    assert summary.loc[1, "final.acc/std"] == pytest.approx(0.1 * math.sqrt(2), abs=1e-12)
+    assert summary.loc[0, "final.loss/std"] == pytest.approx(math.sqrt(2), abs=1e-12)
+    text = format_mean_std(summary)
+    assert list(text["final.acc"]) == ["0.2000 (1 of 2 runs)", "0.6000 ± 0.1414"]
+    assert list(text["final.loss"]) == ["2.0000 ± 1.4142", "2.2500 ± 0.3536"]
+    assert list(text["n"]) == [2, 2]
+
+
+def test_summarize_refuses_a_column_of_text():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    with pytest.raises(TypeError, match=r"^summarize: column 'status' is not numeric \(values "
+                                        r"such as 'complete'\); metrics must be columns of "
+                                        r"numbers, e.g. final.test_acc$"):
+        summarize(data.table(), ["lr"], ["status"])
+    # Numbers held as objects (None for a missing one) are numbers.
+    table = pd.DataFrame({"g": ["x", "x"], "v": pd.Series([1.0, None], dtype=object)})
+    summary = summarize(table, ["g"], ["v"])
+    assert summary.loc[0, "v/mean"] == 1.0 and summary.loc[0, "v/n"] == 1
+
+
+def test_curves_name_an_unknown_field_or_axis():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    fields = "epoch_wall_s, lr, train_acc, train_loss, val_acc, val_loss"
+    with pytest.raises(ValueError, match=rf"^learning_curves: no run of the table has field\(s\) "
+                                         rf"'nope' on the epoch or step axis; fields there: "
+                                         rf"{fields}$"):
+        learning_curves(data.metrics, table, data.group_keys, ["train_loss", "nope"])
+    with pytest.raises(ValueError, match=r"^learning_curves: no run of the table has field\(s\) "
+                                         r"'train_loss' on the step axis; fields there: none$"):
+        learning_curves(data.metrics, table, data.group_keys, ["train_loss"], axis="step")
+    with pytest.raises(ValueError, match=r"^axis must be one of 'epoch', 'step' \(or None: the "
+                                         r"axis the field is logged on\), got 'epochs'$"):
+        learning_curves(data.metrics, table, data.group_keys, axis="epochs")
+    with pytest.raises(ValueError, match=r"got 'epochs'$"):
+        curve_bands(data.metrics, table, data.group_keys, "train_loss", axis="epochs")
+    with pytest.raises(ValueError, match=r"^learning_curves: fields is empty; name at least one "
+                                         r"metric to draw, e.g. \['train_loss'\]$"):
+        learning_curves(data.metrics, table, data.group_keys, [])
+    with pytest.raises(TypeError, match=r"^curve_bands: field must be one metric name \(str\), "
+                                        r"got \['train_loss'\] \(list\)$"):
+        curve_bands(data.metrics, table, data.group_keys, ["train_loss"])
+    # A field only runs outside the table logged is not drawn as an empty panel.
+    with pytest.raises(ValueError, match=r"field\(s\) 'train_loss' .* fields there: none$"):
+        learning_curves(data.metrics, table.iloc[:0], data.group_keys, ["train_loss"])
+    trajectory = records.load_record(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-0")["trajectory"]
+    with pytest.raises(TypeError, match=r"^run_curves: fields must be a list of tuples of field "
+                                        r"names, one tuple per panel, e\.g\. \[\('train_loss', "
+                                        r"'val_loss'\), \('train_acc',\)\]; got \['train_loss'\]$"):
+        run_curves(trajectory, fields=["train_loss"])
+    with pytest.raises(TypeError, match=r"; got \[\]$"):
+        run_curves(trajectory, fields=[])
+    fig = run_curves(trajectory, fields=[["train_loss"], ("val_loss", "val_acc")])
+    assert [len(ax.lines) for ax in fig.get_axes()] == [1, 2]
+
+
+def test_mt1_check_on_another_protocol_says_it_is_not_mt1():
+    from analysis import mt1
+
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    with pytest.raises(ValueError, match=r"^MT-1 needs the grid key 'rule_params.traffic_rule'; "
+                                         r"this protocol's grid has lr, rule, seed$"):
+        mt1.check_mt1_complete(data)
+
+
+def test_package_docstring_names_the_row_store_records_use():
+    import analysis
+
+    assert "parquet" not in analysis.__doc__
+    assert f"rows/<axis>/<start>-<end>{records.PART_SUFFIX}" in analysis.__doc__

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 
+from analysis import IncompleteProtocolError
 from analysis import rules as compare
 from lab import records
 from lab.models import ResNet
@@ -105,3 +109,93 @@ def test_rules_table_refuses_incomplete_data(tmp_path):
     shutil.rmtree(victim)
     with pytest.raises(IncompleteProtocolError, match=rf"runs missing: .*{victim.name}"):
         compare.rules_table(load_protocol_runs(protocol))
+
+
+RULES_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "rules" / "protocol.yaml"
+ALIGN_MESSAGE = "'alignment/mean_update_cos', 'alignment/mean_teaching_cos'"
+
+
+def _rules_data():
+    from analysis import load_protocol_runs
+
+    return load_protocol_runs(RULES_FIXTURE)
+
+
+def test_rules_table_is_each_runs_last_epoch_from_the_records():
+    # The oracle: each record's own last trajectory row and final metrics.
+    data = _rules_data()
+    got = compare.rules_table(data)
+    runs = RULES_FIXTURE.parent / "runs"
+    for rule in ("bp", "kp", "dfa"):
+        last = [records.load_record(runs / f"rule-{rule}_seed-{s}")["trajectory"][-1]
+                for s in (0, 1)]
+        assert [row["epoch"] for row in last] == [2, 2]
+        for column, key in (("update_cos", "mean_update_cos"),
+                            ("teaching_cos", "mean_teaching_cos")):
+            want = (last[0]["alignment"][key] + last[1]["alignment"][key]) / 2
+            assert got.loc[rule, column] == pytest.approx(want, abs=1e-12)
+    feedback = [records.load_record(runs / f"rule-kp_seed-{s}")["trajectory"][-1]
+                ["rule"]["feedback"]["mean_cos"] for s in (0, 1)]
+    assert got.loc["kp", "feedback_cos"] == pytest.approx(sum(feedback) / 2, abs=1e-12)
+    assert math.isnan(got.loc["bp", "feedback_cos"])  # no feedback tensors
+
+
+def test_runs_without_alignment_are_refused_naming_each(tmp_path):
+    # alignment_every: 0 -- no alignment rows and none declared: the runs are complete as
+    # runs, but not for a comparison whose table reports alignment.
+    data = _rules_data()
+    data.metrics = data.metrics[~data.metrics["metric"].str.startswith("alignment/")]
+    data.runs = data.runs.assign(expect=[
+        {**e, "periodic": [p for p in e["periodic"] if p[0] != "alignment/"]}
+        for e in data.runs["expect"]])
+    with pytest.raises(IncompleteProtocolError) as err:
+        compare.check_rules_complete(data)
+    assert err.value.problems == [f"{run_id}: {ALIGN_MESSAGE} missing at its last epoch (2)"
+                                  for run_id in data.expected_ids]
+    assert str(err.value).startswith("incomplete data: 6 problem(s) across 6 expected runs")
+    assert str(err.value).endswith(
+        "The rule comparison reports alignment with backprop at each run's last epoch: run "
+        "the protocol with alignment_every dividing epochs (alignment_every: 1 measures every "
+        "epoch).")
+    with pytest.raises(IncompleteProtocolError, match="missing at its last epoch"):
+        compare.rules_table(data)
+
+
+def test_one_seeds_missing_last_epoch_alignment_is_not_filled_from_an_earlier_epoch():
+    data = _rules_data()
+    m = data.metrics
+    gone = ((m["run_id"] == "rule-kp_seed-1") & (m["index"] == 2)
+            & (m["metric"] == "alignment/mean_update_cos"))
+    assert gone.sum() == 1
+    data.metrics = m[~gone]
+    with pytest.raises(IncompleteProtocolError) as err:
+        compare.rules_table(data)
+    assert err.value.problems == [
+        "rule-kp_seed-1: 'alignment/mean_update_cos' missing at its last epoch (2)"]
+    # Below the check, the per-rule mean refuses too: never epoch 1's value in its place.
+    with pytest.raises(ValueError, match=r"^'alignment/mean_update_cos' is missing at the last "
+                                         r"epoch of run\(s\) rule-kp_seed-1 \(epoch 2\); an "
+                                         r"earlier epoch's value is not the last epoch's$"):
+        compare._last_epoch_mean(data, data.table(), "alignment/mean_update_cos")
+    # A non-finite last value is named as such.
+    m = data.metrics.copy()
+    m.loc[(m["run_id"] == "rule-dfa_seed-0") & (m["index"] == 2)
+          & (m["metric"] == "alignment/mean_teaching_cos"), "value"] = math.nan
+    data.metrics = m
+    with pytest.raises(IncompleteProtocolError) as err:
+        compare.check_rules_complete(data)
+    assert ("rule-dfa_seed-0: non-finite at its last epoch (2): "
+            "alignment/mean_teaching_cos (nan)") in err.value.problems
+
+
+def test_rule_figures_and_bill_refuse_an_empty_table(runs):
+    root, table, _ = runs
+    with pytest.raises(ValueError, match=r"^accuracy_bars: the table has no runs \(one row per "
+                                         r"run is expected: ProtocolRuns.table\(\)\)$"):
+        compare.accuracy_bars(table.iloc[:0])
+    with pytest.raises(ValueError, match=r"^compute_bill: the table has no runs"):
+        compare.compute_bill(table.iloc[:0], root)
+    with pytest.raises(KeyError, match=r"compute_bill: column\(s\) rule not in the table"):
+        compare.compute_bill(table.drop(columns="rule"), root)
+    with pytest.raises(KeyError, match=r"accuracy_bars: column\(s\) final.nope not in the table"):
+        compare.accuracy_bars(table, "final.nope")

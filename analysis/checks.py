@@ -1,0 +1,49 @@
+"""Argument checks shared by the analyses: a researcher's mistake gets one sentence
+naming the parameter, the value given and what is expected, not a raw pandas or
+matplotlib error (or, worse, a bare string iterated letter by letter).
+
+The analysis notebooks call :func:`check_names` on their list parameters first, so
+``-p final_fields test_acc`` fails with "final_fields must be a list of metric
+names, got 'test_acc' (str)".
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+
+# Sequences of names that are taken as lists. A str is a sequence too, which is
+# exactly the mistake refused here.
+_LISTS = (list, tuple, pd.Index, pd.Series, np.ndarray)
+
+
+def names(value, parameter: str, what: str = "metric names") -> list[str]:
+    """``value`` (a list or tuple of str) as a list; anything else is a TypeError
+    naming ``parameter``, the value and what is expected."""
+    if not isinstance(value, _LISTS) or (isinstance(value, np.ndarray) and value.ndim != 1):
+        raise TypeError(f"{parameter} must be a list of {what}, got {value!r} "
+                        f"({type(value).__name__})")
+    items = list(value)
+    bad = [item for item in items if not isinstance(item, str)]
+    if bad:
+        raise TypeError(f"{parameter} must be a list of {what}, got {items!r} "
+                        f"({bad[0]!r} is {type(bad[0]).__name__}, not a name)")
+    return items
+
+
+def check_names(**lists) -> None:
+    """Check each keyword argument is a list of metric names (see :func:`names`),
+    the parameter named by its keyword: ``check_names(final_fields=final_fields)``."""
+    for parameter, value in lists.items():
+        names(value, parameter)
+
+
+def path_like(value, parameter: str, what: str) -> None:
+    """A str or os.PathLike, not empty; otherwise a TypeError naming ``parameter``."""
+    if isinstance(value, str) and value.strip():
+        return
+    if isinstance(value, os.PathLike):
+        return
+    raise TypeError(f"{parameter} must be {what}, got {value!r} ({type(value).__name__})")
