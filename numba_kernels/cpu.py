@@ -17,9 +17,11 @@ the reductions vectorise and each ``acc += x * x`` is one FMA; the order is fixe
 at compile time. ``_signals`` (traffic, raw, innovation) carries no fastmath flag
 of its own, but once inlined LLVM may contract its ``d*h - b`` into one FMA too
 (it does on x86-64): results stay within float rounding of the reference, and
-the exact-predictor property below survives either way. Innovation is formed as
-``I + ((g*C - P)*h - b)``, equal to ``R - (P*h + b)`` in real arithmetic, so an
-exact predictor (``P == g*C``, ``b == 0``) gives a correction of exactly zero
+the exact-predictor property below survives either way. (A float32 value above about
+1.8e19 overflows its square here, where the CUDA kernels, squaring in float64, do not;
+either way a matched row whose norms are not finite is NaN, as in the reference.)
+Innovation is formed as ``I + ((g*C - P)*h - b)``, equal to ``R - (P*h + b)`` in
+real arithmetic, so an exact predictor (``P == g*C``, ``b == 0``) gives a correction of exactly zero
 (``0*h - 0``, fused or not) and innovation == instruction bit for bit (on the GPU
 too).
 """
@@ -102,8 +104,10 @@ def _row(I, h, gC, d, b, e, rule, out, rows, scales, zero):
         rows[e, q] = s[q]
     if rule == MATCHED:
         # ||N_e|| / ||R_e||, rounded to the input dtype; an all-zero raw row has no
-        # direction, so it is sent as zero.
-        scales[e] = math.sqrt(s[SS_N] / s[SS_R]) if s[SS_R] > 0.0 else 0.0
+        # direction, so it is sent as zero; a row whose norms overflow has no matched
+        # signal: x - x adds NaN exactly when x is infinite (or NaN).
+        scales[e] = ((math.sqrt(s[SS_N] / s[SS_R]) if s[SS_R] > 0.0 else 0.0)
+                     + (s[SS_R] - s[SS_R]) + (s[SS_N] - s[SS_N]))
         o, f = out[e], scales[e]
         for j in range(N):
             o[j] *= f
@@ -120,10 +124,11 @@ def _totals(rows, rule):
             tot[4] += rows[e, SS_R]
         elif rule == INNOVATION:
             tot[4] += rows[e, SS_N]
-        elif rows[e, SS_R] != 0.0:
-            # ||M_e|| = ||N_e|| exactly in real arithmetic; zero where raw is zero. (A NaN
-            # row is not zero: its NaN reaches the total, as in the reference.)
-            tot[4] += rows[e, SS_N]
+        else:
+            # ||M_e|| = ||N_e|| exactly in real arithmetic; zero where raw is zero; NaN
+            # where a norm is not finite (the row is NaN, as in the reference).
+            r, n = rows[e, SS_R], rows[e, SS_N]
+            tot[4] += (n if r != 0.0 else 0.0) + (r - r) + (n - n)
     return tot
 
 
@@ -516,7 +521,8 @@ def _matched_rows(I, h, gC, d, b, rows, fac, zero):
             s_n += np.float64(x[1])
         rows[e, 0] = s_r
         rows[e, 1] = s_n
-        fac[e] = math.sqrt(s_n / s_r) if s_r > 0.0 else 0.0  # rounded to the input dtype
+        # rounded to the input dtype; NaN where a norm is not finite, as in _row
+        fac[e] = (math.sqrt(s_n / s_r) if s_r > 0.0 else 0.0) + (s_r - s_r) + (s_n - s_n)
 
 
 def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, istd,

@@ -346,7 +346,8 @@ def _local_squares(chan, rows, code: int) -> tuple:
     or tensors (on a GPU without a host sync)."""
     tot = chan[:, :4].sum(0)  # channels in order: [instruction, traffic, raw, innovation]
     if code == cpu.MATCHED:  # ||M_e|| = ||N_e|| in real arithmetic; zero where raw is zero
-        ss_used = (rows[:, 1] * (rows[:, 0] > 0)).sum()
+        r, n = rows[:, 0], rows[:, 1]  # x - x: NaN where a norm is not finite (a NaN row)
+        ss_used = (n * (r > 0) + (r - r) + (n - n)).sum()
     else:
         ss_used = tot[{cpu.RAW: 2, cpu.INNOVATION: 3, cpu.NONE: 0}[code]]
     return ss_used, tot[0], tot[2], tot[3], tot[1]

@@ -114,7 +114,8 @@ def kernels(tpb: int = TPB) -> dict:
                 for k in range(part.shape[1]):
                     s += part[e, k, q]
                 rows[e, q] = s
-            scales[e] = math.sqrt(rows[e, 3] / rows[e, 2]) if rows[e, 2] > 0.0 else 0.0
+            r, n = rows[e, 2], rows[e, 3]  # NaN where a norm is not finite, as on the CPU
+            scales[e] = (math.sqrt(n / r) if r > 0.0 else 0.0) + (r - r) + (n - n)
         cuda.syncthreads()
         if tx < 5:
             s = 0.0
@@ -123,10 +124,13 @@ def kernels(tpb: int = TPB) -> dict:
                     s += rows[e, tx]
                 elif rule == RAW:
                     s += rows[e, 2]
-                elif rule == INNOVATION or rows[e, 2] != 0.0:
-                    # matched: ||M_e|| = ||N_e|| in real arithmetic; zero where raw is
-                    # zero (a NaN row is not zero: its NaN reaches the total)
+                elif rule == INNOVATION:
                     s += rows[e, 3]
+                else:
+                    # matched: ||M_e|| = ||N_e|| in real arithmetic; zero where raw is
+                    # zero; NaN where a norm is not finite (the row is NaN)
+                    r, n = rows[e, 2], rows[e, 3]
+                    s += (n if r != 0.0 else 0.0) + (r - r) + (n - n)
             tot[tx] = s
 
     @cuda.jit
@@ -246,7 +250,8 @@ def kernels(tpb: int = TPB) -> dict:
             if tx == 0:
                 rows[e, 0] = sh[0, 0]
                 rows[e, 1] = sh[1, 0]
-                fac[e] = math.sqrt(sh[1, 0] / sh[0, 0]) if sh[0, 0] > 0.0 else 0.0
+                r, n = sh[0, 0], sh[1, 0]  # NaN where a norm is not finite
+                fac[e] = (math.sqrt(n / r) if r > 0.0 else 0.0) + (r - r) + (n - n)
             cuda.syncthreads()
 
     @cuda.jit

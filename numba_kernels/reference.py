@@ -36,8 +36,10 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # no
         dims = tuple(range(1, I.dim()))
         ss_r = R.square().sum(dim=dims, dtype=torch.float64)  # (B,)
         ss_n = N.square().sum(dim=dims, dtype=torch.float64)
-        # An all-zero raw row has no direction: its matched signal is zero.
-        scale = torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
+        # An all-zero raw row has no direction: its matched signal is zero. A row whose
+        # norms overflow (or hold a NaN) has none: NaN (x - x is NaN for x = inf or NaN).
+        scale = (torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
+                 + (ss_r - ss_r) + (ss_n - ss_n))
         used = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
     return MixedApical(used, _ss(used), _ss(I), _ss(R), _ss(N), _ss(T))
 
@@ -51,7 +53,7 @@ def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:
     var = hc.square().mean(0)  # biased: mean of centred squares
     P.copy_(P.double() + eta * (rc * hc).mean(0) / (var + 1e-12))
     b.copy_(b.double() + eta * r.mean(0))  # the same residual as P's step
-    return PredictorStats(_ss(r), _ss(T))
+    return PredictorStats(_ss(r), _ss(T64))  # squares in float64, as the kernels square them
 
 
 def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

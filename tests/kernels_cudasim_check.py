@@ -66,11 +66,16 @@ def check_mixed(shape, dtype, rule, seed=0):
     print("ok", name)
 
 
-def check_nan_matched(dtype):
-    """A NaN in one example's instruction reaches matched's ss_used, as in the reference
-    (the all-zero-row exclusion must not swallow it), and only that row is NaN."""
+def check_nan_matched(dtype, kind="nan"):
+    """A NaN in one example's instruction (or, ``kind="overflow"``, a row whose sums of
+    squares overflow: float64 only, the kernel squares in float64) reaches matched's
+    ss_used, as in the reference (the all-zero-row exclusion must not swallow it), and
+    only that row is NaN."""
     t = data((3, 10), dtype, seed=5)
-    t["I"][1, 4] = float("nan")
+    if kind == "nan":
+        t["I"][1, 4] = float("nan")
+    else:
+        t["I"][1] *= 1e160
     ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"],
                                            "matched")
     I, h = t["I"].numpy(), t["h"].numpy()
@@ -81,7 +86,7 @@ def check_nan_matched(dtype):
     ws["scales"] = np.zeros(3, dtype=dtype)
     gpu.mixed_apical(I, h, gC, t["P"].numpy(), t["b"].numpy(), gpu.MATCHED, out, ws["part"],
                      ws["rows"], ws["scales"], ws["tot"], tpb=TPB)
-    name = f"matched NaN row {dtype.__name__}"
+    name = f"matched {kind} row {dtype.__name__}"
     if not (np.isnan(ws["tot"][4]) and np.isnan(float(ref.ss_used))):
         sys.exit(f"FAIL {name}: ss_used {ws['tot'][4]} (reference {float(ref.ss_used)})")
     if not np.array_equal(np.isnan(out), ref.used.isnan().numpy()):
@@ -163,6 +168,7 @@ def main():
     check_zero_row()
     for dtype in (np.float32, np.float64):
         check_nan_matched(dtype)
+    check_nan_matched(np.float64, "overflow")
     check_exact_predictor()
     check_dispatch_cuda_branch()
     # mixed_local, through the dispatcher's CUDA branch on 16-thread blocks: (B, C, H, W)

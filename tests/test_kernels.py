@@ -407,6 +407,26 @@ def test_a_nan_reaches_every_total_as_in_the_reference(where, backend):
         assert bool(got.ss_used.isnan()) and bool(got.ss_raw.isnan())
 
 
+@pytest.mark.parametrize("backend", ["auto", "numba"])
+def test_a_row_whose_norms_overflow_is_nan_under_matched_as_in_the_reference(backend):
+    # float32 row 1 at 1e30: its sums of squares overflow, so ||N_e|| / ||R_e|| is
+    # undefined; the matched row and ss_used are NaN in every form, the other rows exact.
+    p = population((4, 3, 5), torch.float32, seed=12)
+    p["I"] = p["I"].clone()
+    p["I"][1] *= 1e30
+    got = nk.mixed_apical(**p, rule="matched", backend=backend)
+    want = nk.mixed_apical(**p, rule="matched", backend="torch")
+    assert bool(want.used[1].isnan().all()) and not bool(want.used[[0, 2, 3]].isnan().any())
+    assert torch.equal(got.used.isnan(), want.used.isnan())
+    torch.testing.assert_close(got.used, want.used, equal_nan=True)
+    assert bool(got.ss_used.isnan()) and bool(want.ss_used.isnan())
+    o = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(3))
+    local = [nk.mixed_local(p["I"], p["h"], o, p["C"], p["gain"], p["P"], p["b"], "matched",
+                            backend=b) for b in (backend, "torch")]
+    assert torch.equal(local[0].grad.isnan(), local[1].grad.isnan())
+    assert bool(local[0].ss_used.isnan()) and bool(local[1].ss_used.isnan())
+
+
 @pytest.mark.parametrize("backend", nk.BACKENDS)
 def test_aux_add_refuses_partial_overlap_and_allows_the_same_view(backend):
     buf = torch.arange(10.0)
