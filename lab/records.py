@@ -4,7 +4,7 @@ A run lives in its own directory::
 
     <run_dir>/
         record.json        small: config, environment, status, declaration, counts, final
-        rows/<axis>/<start>-<end>.parquet
+        rows/<axis>/<start>-<end>.jsonl
                            the append-only row store: rows [start, end) of that axis
         checkpoint.pt      optional, written by the run lifecycle
         <notebook>.ipynb   optional, the executed notebook (papermill)
@@ -730,9 +730,12 @@ def tidy_metrics(record) -> pd.DataFrame:
 
 def _record_paths(root, include_old: bool = False) -> list[Path]:
     root = Path(root)
+    if root.is_file() and root.name == RECORD_FILE:  # one run's record, as `lab runs` takes
+        return [root]
     if not root.is_dir():
         what = "a file, not a directory" if root.exists() else "no such directory"
-        raise FileNotFoundError(f"{root}: {what}; give a directory of runs")
+        raise FileNotFoundError(f"{root}: {what}; give a directory of runs or a run's "
+                                f"{RECORD_FILE}")
     paths = sorted(root.glob(f"**/{RECORD_FILE}"))
     if include_old:
         return paths

@@ -525,3 +525,16 @@ def test_load_runs_tells_a_killed_run_from_a_live_one(base_record, tmp_path):
     assert status == {"live": "running", "killed": "interrupted", "done": "complete"}
     assert dict(zip(*records.load_runs(tmp_path)[["run_id", "status"]].T.values))["live"] \
         == "interrupted"
+
+
+def test_load_runs_and_metrics_take_one_runs_record_json(base_record, tmp_path):
+    for name in ("a", "b"):
+        records.save_run(tmp_path / name, filled(base_record, run_id=name, status="complete"))
+    one = records.load_runs(tmp_path / "a" / "record.json")
+    assert list(one["run_id"]) == ["a"] and len(records.load_runs(tmp_path)) == 2
+    metrics = records.load_metrics(tmp_path / "a" / "record.json")
+    assert set(metrics["run_id"]) == {"a"} and len(metrics) > 0
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"notes.txt: a file, not a directory; give a "
+                                                r"directory of runs or a run's record.json$"):
+        records.load_runs(tmp_path / "notes.txt")
