@@ -173,23 +173,29 @@ STATEFUL_RULES = ["kp", "wm", "rrm", "brsf", "frsf", "dfa", "nodepert", "kp_traf
                   "sdil"]
 
 
+def _interrupt_at(epoch, monkeypatch, config, out):
+    """train_conv into ``out``, stopped by a KeyboardInterrupt as ``epoch`` begins (a kill
+    mid-run: the checkpoint of the epoch before is on disk)."""
+    real = conv._train_epoch
+
+    def crash(run, e, kind, life):
+        if e == epoch:
+            raise KeyboardInterrupt
+        return real(run, e, kind, life)
+
+    monkeypatch.setattr(conv, "_train_epoch", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_conv(config, out)
+    monkeypatch.setattr(conv, "_train_epoch", real)
+
+
 @pytest.mark.parametrize("rule", STATEFUL_RULES)
 def test_interrupted_rule_resumes_exactly(tiny, tmp_path, monkeypatch, rule):
     """A crash after epoch 2 and a resume give the uninterrupted record (rule state too)."""
     config = ConvConfig(**{**tiny, "epochs": 4, "alignment_every": 2, "alignment_batch": 32},
                         rule=rule, rule_params=TINY_RULE_PARAMS.get(rule, {}))
     whole = train_conv(config, tmp_path / "whole")
-    real = conv._train_epoch
-
-    def crash_at_2(run, epoch, kind, life):
-        if epoch == 2:
-            raise KeyboardInterrupt
-        return real(run, epoch, kind, life)
-
-    monkeypatch.setattr(conv, "_train_epoch", crash_at_2)
-    with pytest.raises(KeyboardInterrupt):
-        train_conv(config, tmp_path / "cut")
-    monkeypatch.setattr(conv, "_train_epoch", real)
+    _interrupt_at(2, monkeypatch, config, tmp_path / "cut")
     resumed = train_conv(config, tmp_path / "cut")
     assert _values(resumed) == _values(whole)
     # Equal but for the wall time, which the lifecycle sums over both sessions.
@@ -446,17 +452,7 @@ def test_conv_record_holds_the_data_identity_and_refuses_other_data(tiny, tmp_pa
     monkeypatch.chdir(tmp_path)
     config = ConvConfig(**{**tiny, "epochs": 3}, data_dir="data")
     assert config.data_dir == str(tmp_path / "data")  # stored absolute
-    real = conv._train_epoch
-
-    def crash_at_1(run, epoch, kind, life):
-        if epoch == 1:
-            raise KeyboardInterrupt
-        return real(run, epoch, kind, life)
-
-    monkeypatch.setattr(conv, "_train_epoch", crash_at_1)
-    with pytest.raises(KeyboardInterrupt):
-        train_conv(config, tmp_path / "run")
-    monkeypatch.setattr(conv, "_train_epoch", real)
+    _interrupt_at(1, monkeypatch, config, tmp_path / "run")
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     identity = content_identity("mnist1d", tmp_path / "data")
     assert record["data"] == {**identity, "split": {"train": 256, "val": 400, "test": 1000}}
