@@ -72,6 +72,13 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
                               "each parameter once")
         given[key] = value
         params[key] = parse_value(value)
+    for key in given:
+        # `-p a '{b: 1}' -p a.b 2`: a.b given twice, once inside a's dict
+        parent = next((p for p in given if key.startswith(p + ".")), None)
+        if parent is not None:
+            raise ConfigError(f"-p {key} sets a key inside -p {parent}, which is given whole "
+                              f"too ({given[parent]!r}); give either the whole {parent} or "
+                              "its dotted keys")
     return params
 
 

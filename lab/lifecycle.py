@@ -251,10 +251,13 @@ class Lifecycle:
             self.record["created"] = old["created"]
         self.record["rows"] = {self.axis: done}
         if self.status != "running":
+            # The checkpoint of a finished run (its record replaced since, e.g. by a
+            # notebook that failed after training): the run's record is written back.
             self.finished = True
             self.record.update(status=self.status, error=self.error,
                                final=old["final"] if old else {},
                                work=old["work"] if old else {})
+            records.write_record(self.out, self.record)
             self.close()
             return done
         records.write_record(self.out, self.record)

@@ -496,3 +496,16 @@ def test_lab_runs_into_a_closed_pipe_is_quiet():
                            str(ROOT / "tests" / "fixtures" / "summary" / "protocol.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_dotted_key_and_its_whole_dict_together_are_refused():
+    from lab.cli import collect_params
+
+    for pairs in ([["rule_params", "{traffic_ratio: 2}"], ["rule_params.traffic_ratio", "3"]],
+                  [["rule_params.traffic_ratio", "3"], ["rule_params", "{traffic_ratio: 2}"]]):
+        with pytest.raises(ConfigError, match=r"^-p rule_params.traffic_ratio sets a key inside "
+                                              r"-p rule_params, which is given whole too "
+                                              r"\('\{traffic_ratio: 2\}'\); give either"):
+            collect_params(pairs, None)
+    assert collect_params([["rule_params.a", "1"], ["rule_params.b", "2"]], None) == {
+        "rule_params.a": 1, "rule_params.b": 2}

@@ -558,3 +558,21 @@ def test_trainers_name_a_wrong_config_or_run_directory(tmp_path, trainer, cls):
                                           rf"{tmp_path / 'file'} is a file, so the run directory "
                                           r"cannot be made there; choose another path$"):
         fn(config, tmp_path / "file" / "r")
+
+
+def test_a_run_failed_after_training_gets_its_record_back_on_rerun(tiny, tmp_path):
+    """A notebook cell failing after train_conv marks the finished run failed; the rerun
+    finds the finished checkpoint and writes the trainer's record back (rows, bill, data)."""
+    from lab.notebook import mark_failed
+
+    config = ConvConfig(**{**tiny, "epochs": 2})
+    done = train_conv(config, tmp_path / "r")
+    mark_failed(tmp_path / "r", "r", {}, "RuntimeError: plot broke")
+    assert records.load_record(tmp_path / "r")["status"] == "failed"
+    again = train_conv(config, tmp_path / "r")
+    on_disk = records.load_record(tmp_path / "r", rows=False)
+    assert again["status"] == on_disk["status"] == "complete" and on_disk["error"] is None
+    assert on_disk["kind"] == "conv" and on_disk["rows"] == {"epoch": 2}
+    assert on_disk["work"] == done["work"] and on_disk["final"] == done["final"]
+    assert on_disk["data"] == done["data"]
+    assert len(records.load_record(tmp_path / "r")["trajectory"]) == 2
