@@ -166,8 +166,9 @@ def _run(args) -> int:
     except RunLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        return _error(f"{type(exc).__name__}: {exc}")
+    except OSError as exc:  # the machine, not a parameter (those are checked first): exit 1
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if result.skipped:
         print(f"{result.run_id}: already {result.status} with these parameters; nothing to do "
               f"(--force runs it afresh, keeping the old run aside) -> {result.out_dir}")
@@ -236,6 +237,29 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     return runs.assign(status=live), unreadable
 
 
+def _with_starting(runs: pd.DataFrame, root: Path, expected: list[str] | None) -> pd.DataFrame:
+    """Add the runs a live process holds that have no record yet (imports and data
+    loading come before the first record), so a live run is never shown missing."""
+    import pandas as pd
+
+    from . import records, runlock
+
+    if not root.is_dir():
+        return runs
+    locks = [root / rid / runlock.LOCK_FILE for rid in expected] if expected is not None \
+        else sorted(root.glob(f"**/{runlock.LOCK_FILE}"))
+    starting = []
+    for lock in locks:
+        run_dir = lock.parent
+        if not lock.exists() or (run_dir / records.RECORD_FILE).exists():
+            continue
+        pid = runlock.holder(run_dir)
+        if pid is not None:
+            starting.append({"run_id": run_dir.name, "path": str(run_dir),
+                             "status": f"running (pid {pid})" if pid else "running"})
+    return pd.concat([runs, pd.DataFrame(starting)], ignore_index=True) if starting else runs
+
+
 def _relative(path: str, base: Path) -> str:
     try:
         return str(Path(path).relative_to(base)) or "."
@@ -275,6 +299,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     if expected is not None:  # a protocol's runs are exactly <out>/<run_id>
         dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
     runs, unreadable = _run_rows(dirs)
+    runs = _with_starting(runs, root, expected)
     if expected is not None:
         runs = mark_stale(runs, specs, stale_runs(protocol))  # the whole check: defaults too
         found = set(runs["run_id"]) | {d.name for d, _ in unreadable}

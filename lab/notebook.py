@@ -685,7 +685,27 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         return "replace", state
     if replace == "always":
         return "replace", state
+    if state.status in runlock.FINISHED and not _notebook_finished(out):
+        # Killed between the trainer's last record and the notebook's end: the training is
+        # done (its checkpoint says so, so nothing retrains), but the notebook is not.
+        return "execute", state
     return ("done" if state.status in runlock.FINISHED else "execute"), state
+
+
+def _notebook_finished(out: Path) -> bool:
+    """False when ``out`` holds an executed notebook that never reached its end
+    (no ``metadata.lab``, written last); a run made without a notebook has none
+    and counts as finished."""
+    import json
+
+    try:
+        with open(out / OUTPUT_NOTEBOOK, encoding="utf-8") as f:
+            nb = json.load(f)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False  # half-written or unreadable: executing again rewrites it
+    return isinstance(nb, dict) and "lab" in nb.get("metadata", {})
 
 
 def _skipped(run_id: str, out: Path, state: runlock.RunState) -> RunResult:
@@ -754,19 +774,35 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
     start, started = time.perf_counter(), time.time()
     with _kernel_env(threads, env):
         error = _papermill(notebook, target, injected, timeout, log_output)
-    if not target.exists():  # papermill failed before writing anything
-        import nbformat
+    # Writing the outcome down can itself fail (a directory made read-only mid-run):
+    # then the error that ended the run is reported first, the failed write after it.
+    try:
+        if not target.exists():  # papermill failed before writing anything
+            import nbformat
 
-        nbformat.write(_read(notebook), str(target))
-    values = read_values(target)
+            nbformat.write(_read(notebook), str(target))
+        values = read_values(target)
+    except OSError as err:
+        values, error = {}, _also(error, "the executed notebook could not be written", err)
     status = "failed" if error else "complete"
     if record:
-        status, error = _settle_record(out, run_id, resolved.config, values, error, started)
+        try:
+            status, error = _settle_record(out, run_id, resolved.config, values, error, started)
+        except OSError as err:
+            status, error = "failed", _also(error, "the run's record could not be written", err)
     meta = {"run_id": run_id, "source": str(notebook.resolve()), "params": injected,
             "status": status, "error": error}
-    _finish_notebook(target, meta)
+    try:
+        _finish_notebook(target, meta)
+    except OSError as err:
+        status, error = "failed", _also(error, "the executed notebook could not be updated", err)
     return RunResult(run_id, out, target, status, error, records.decode_nonfinite(values),
                      time.perf_counter() - start, moved_aside=moved)
+
+
+def _also(error: str | None, what: str, err: OSError) -> str:
+    line = f"{what}: {type(err).__name__}: {err}"
+    return f"{error}\n{line}" if error else line
 
 
 def render_html(executed_notebook, html_path) -> Path:

@@ -52,7 +52,10 @@ class RunLock:
 
     def release(self) -> None:
         if self._lock is not None and self._lock.is_locked:
-            (self.run_dir / PID_FILE).unlink(missing_ok=True)
+            # The pid file only names the holder for `lab runs`: failing to remove it (a
+            # directory made read-only meanwhile) must not hide the error that ended the run.
+            with contextlib.suppress(OSError):
+                (self.run_dir / PID_FILE).unlink(missing_ok=True)
             self._lock.release()
         self._lock = None
 

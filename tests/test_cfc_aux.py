@@ -754,3 +754,24 @@ def test_a_series_the_run_cannot_use_is_refused_before_a_kernel(tmp_path, capsys
     err = capsys.readouterr().err
     assert "error: CfCAuxConfig: " in err and message in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("text", r"not a number: 'abc' at row 0 \(.*text\.csv:price; "),
+    ("empty", r"price CSV '.*empty\.csv' is empty \(0 bytes\); expected a header row naming "
+              r"the column 'price', then one price per row"),
+    ("flat", r".*flat\.csv:price: the validation split does not move: prices 468\.\.584 "),
+])
+def test_the_trials_bad_csvs_are_refused_before_a_run_naming_the_file(tmp_path, case, message):
+    """Trial findings F6 / F7, with the trial's files: the run's pre-check (what ``lab run``
+    and a sweep call) refuses each with the data error, not NaN prices or val_acc 1.0."""
+    walk = 100 * np.exp(np.cumsum(0.01 * np.random.default_rng(0).standard_normal(600)))
+    walk[100:] = walk[100]  # flat after the first 100 prices
+    path = tmp_path / f"{case}.csv"
+    path.write_text({"text": "date,price\n" + "".join(f"{i},abc\n" for i in range(600)),
+                     "empty": "",
+                     "flat": "date,price\n" + "".join(f"{i},{v}\n" for i, v in enumerate(walk)),
+                     }[case])
+    config = CfCAuxConfig(source="csv", csv_path=str(path), column="price")
+    with pytest.raises(ConfigError, match=r"^CfCAuxConfig: " + message):
+        config.preflight()

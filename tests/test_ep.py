@@ -747,15 +747,21 @@ def test_record_identifies_the_text_and_a_resume_on_changed_text_is_refused(tmp_
     train_steps(ep_module)
     raw = corpus.read_bytes()
     saved = records.load_record(tmp_path / "run")["data"]
+    n_val = round(len(raw) * 0.1)  # ASCII: one byte per character; the last 10% validates
     assert saved == {"text": {"path": str(corpus), "size": len(raw),
-                              "sha256": hashlib.sha256(raw).hexdigest()}}
+                              "sha256": hashlib.sha256(raw).hexdigest()},
+                     "split": {"train_chars": len(raw) - n_val, "val_chars": n_val}}
     _corpus(corpus, 1, words=("eps", "delta", "gamma", "beta", "alpha", "zeta"))  # other text
     new = corpus.read_bytes()
     with pytest.raises(CheckpointError) as err:
         train_ep(config, tmp_path / "run")
+    n_new = round(len(new) * 0.1)
+    split = "".join(f"split.{key}: {then} there vs {now} now; " for key, then, now in (
+        ("train_chars", len(raw) - n_val, len(new) - n_new), ("val_chars", n_val, n_new))
+        if then != now)
     assert str(err.value) == (
         f"{tmp_path / 'run' / 'checkpoint.pt'} belongs to a run trained on other data "
-        f"(text.sha256: {hashlib.sha256(raw).hexdigest()!r} there vs "
+        f"({split}text.sha256: {hashlib.sha256(raw).hexdigest()!r} there vs "
         f"{hashlib.sha256(new).hexdigest()!r} now; text.size: {len(raw)} there vs {len(new)} "
         "now); resuming would mix two datasets in one run. Restore the data the run began "
         "with, or use another output directory (or move this one aside) to start afresh")
@@ -771,9 +777,28 @@ def test_bundled_corpus_is_identified_by_its_hash():
 
     text = bundled_text()
     record = train_ep(_tiny(steps=1, warmup_steps=0, eval_every=0, cosine_every=0))
+    n_val = round(len(text) * 0.1)
     assert record["data"] == {"text": {
         "source": "pydoc_data.topics", "chars": len(text),
-        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}}
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()},
+        "split": {"train_chars": len(text) - n_val, "val_chars": n_val}}
+
+
+def test_record_holds_the_split_the_trainer_used(tmp_path):
+    """Trial finding F5: the record names the character split, equal to what the trainer
+    trained and validated on (non-ASCII text: characters, not bytes, are counted)."""
+    corpus = tmp_path / "t.txt"
+    text = "héllo wörld, " * 77  # 1001 characters, 1155 bytes
+    corpus.write_text(text, encoding="utf-8")
+    config = _tiny(text_path=str(corpus), steps=1, warmup_steps=0, eval_every=0,
+                   cosine_every=0, checkpoint_every=0)
+    record = train_ep(config, tmp_path / "run")
+    run = build_ep(config)
+    assert record["data"]["split"] == {"train_chars": 901, "val_chars": 100}  # 1001 - 100
+    # What the trainer samples from and validates on, read back from its own streams.
+    assert (len(run.corpus.train), len(run.corpus.val)) == (901, 100)
+    assert run.corpus.decode(run.corpus.val) == text[901:]
+    assert records.load_record(tmp_path / "run")["data"] == record["data"]
 
 
 def test_seed_is_bounded_by_what_torch_accepts():

@@ -386,3 +386,43 @@ def test_training_notebook_with_injected_small_parameters(tiny, tmp_path, capsys
     assert pngs, "the learning-curve figure is missing from the executed notebook"
     html = render_html(result.notebook, tmp_path / "run.html")
     assert "<html" in html.read_text()[:2000].lower()
+
+
+def test_a_finished_run_whose_notebook_never_finished_is_executed_again(tmp_path):
+    # kill -9 after the trainer's record says complete but before the notebook's end:
+    # the executed notebook has no metadata.lab (written last). `lab run` and sweeps
+    # must finish it, not call the run done.
+    run = tmp_path / "run"
+    assert execute(ECHO, run, {"x": 1}).status == "complete"
+    path = run / "notebook.ipynb"
+    nb = json.loads(path.read_text())
+    del nb["metadata"]["lab"]
+    path.write_text(json.dumps(nb))
+    again = execute(ECHO, run, {"x": 1})
+    assert not again.skipped and again.status == "complete"
+    assert json.loads(path.read_text())["metadata"]["lab"]["status"] == "complete"
+    assert execute(ECHO, run, {"x": 1}).skipped
+    path.write_text('{"cells": [')  # cut off mid-write: executed again too
+    assert not execute(ECHO, run, {"x": 1}).skipped
+    path.unlink()  # a run made without a notebook (the Python API) counts as finished
+    assert execute(ECHO, run, {"x": 1}).skipped
+
+
+def test_a_failed_write_does_not_hide_the_error_that_ended_the_run(tmp_path, monkeypatch,
+                                                                   capsys):
+    # A run directory made read-only mid-run: the record and the notebook cannot be
+    # written. The cell's error comes first, each failed write after it; exit 1.
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "run" / "x.tmp"))
+
+    monkeypatch.setattr(lab.notebook, "mark_failed", denied)
+    monkeypatch.setattr(lab.notebook, "_finish_notebook", denied)
+    result = execute(ECHO, tmp_path / "run", {"x": 3, "fail_on": 3})
+    lines = result.error.splitlines()
+    assert result.status == "failed" and "asked to fail at x=3" in result.error
+    assert lines[-2] == ("the run's record could not be written: PermissionError: [Errno 13] "
+                         f"Permission denied: '{tmp_path / 'run' / 'x.tmp'}'")
+    assert lines[-1].startswith("the executed notebook could not be updated: PermissionError")
+    monkeypatch.setattr(lab.notebook, "execute", denied)
+    assert cli_main(["run", str(ECHO), "--out", str(tmp_path / "r2")]) == 1
+    assert "error: PermissionError: [Errno 13] Permission denied" in capsys.readouterr().err

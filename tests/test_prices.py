@@ -231,3 +231,98 @@ def test_no_warning_when_the_split_is_as_requested():
     # 120 prices: first = 8, last = 112, cut = 8 + round(0.75 * 104) = 86; training ends run
     # 8..79 (cut - 7), validation 86..112.
     assert data.split_sizes() == {"n_train": 72, "n_val": 27, "val_fraction": 27 / 99}
+
+
+# --- trial findings F6 / F7: text cells, empty files, splits without price movement ----------
+
+
+def test_text_in_the_price_column_is_named_not_reported_as_nan(tmp_path):
+    path = tmp_path / "p.csv"
+    # Row 0 is the first after the header; the blank line is skipped, not counted.
+    path.write_text("date,price\n0,101.5\n1,102\n\n2,abc\n3,9x\n4,103\n")
+    with pytest.raises(DataError) as err:
+        csv_prices(path, "price")
+    assert str(err.value) == (
+        f"not a number: 'abc' at row 2 ({path}:price; row 0 is the first after the header, "
+        "blank lines not counted); 2 cell(s) of the column are not numbers; give one price "
+        "per row, as a plain number such as 101.25")
+    # Blank and "NaN" cells are missing values, not text: they stay NaN prices, refused as such.
+    path.write_text("price\n1\n\nNaN\n2\n")
+    np.testing.assert_array_equal(csv_prices(path, "price"), [1.0, np.nan, 2.0])
+
+
+@pytest.mark.parametrize("content, what", [
+    ("", "is empty (0 bytes)"),
+    ("\n\n  \n\n", "holds only blank lines"),
+])
+def test_empty_csv_names_the_file_and_what_is_expected(tmp_path, content, what):
+    path = tmp_path / "p.csv"
+    path.write_text(content)
+    with pytest.raises(DataError) as err:
+        csv_prices(path, "close")
+    assert str(err.value) == (f"price CSV {str(path)!r} {what}; expected a header row naming "
+                              "the column 'close', then one price per row (oldest first)")
+
+
+def test_a_csv_pandas_cannot_parse_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("date,close\n1,2\n3,4,5\n")
+    with pytest.raises(DataError) as err:
+        csv_prices(path, "close")
+    assert str(err.value) == (f"price CSV {str(path)!r} cannot be read as CSV (Error tokenizing "
+                              "data. C error: Expected 2 fields in line 3, saw 3); expected a "
+                              "header row naming the column 'close', then one price per row "
+                              "(oldest first)")
+
+
+def _walk_then_flat(n=600, moving=100):
+    """The trial's series: a random walk for ``moving`` prices, then the last one repeated."""
+    prices = 100 * np.exp(np.cumsum(0.01 * np.random.default_rng(0).standard_normal(n)))
+    prices[moving:] = prices[moving]
+    return prices
+
+
+CFC_DEFAULTS = dict(window=12, seq_len=12, horizons=(1, 5, 20), main_horizon=5,
+                    val_fraction=0.2)
+
+
+def test_a_validation_split_without_price_movement_is_refused():
+    prices = _walk_then_flat()
+    # 600 prices: first = 12 + 12 - 1 = 23, last = 599 - 20 = 579, cut = 23 + round(0.8 * 556)
+    # = 468; validation examples end at 468..579, their labels read prices 468..579 + 5.
+    with pytest.raises(DataError) as err:
+        MultiHorizonLoader(prices, **CFC_DEFAULTS, name="p.csv:price")
+    assert str(err.value) == (
+        f"p.csv:price: the validation split does not move: prices 468..584 (the ones its "
+        f"direction labels read; its examples end at 468..579) are all {prices[100]}, so every "
+        "label there is 'down' and a direction accuracy on it would mean nothing; use a series "
+        "whose prices move in both splits, or another val_fraction")
+    # The range's edges: a move just outside it changes nothing, one at its last price is
+    # enough (and is the one "up" label: the example ending at 579).
+    for outside in (467, 585):
+        moved = prices.copy()
+        moved[outside] *= 1.01
+        with pytest.raises(DataError, match=r"validation split does not move: prices 468\.\.584"):
+            MultiHorizonLoader(moved, **CFC_DEFAULTS)
+    moved = prices.copy()
+    moved[584] *= 1.01
+    data = MultiHorizonLoader(moved, **CFC_DEFAULTS)
+    assert data.val_ends[data.direction[data.val_ends] == 1].tolist() == [579]
+
+
+def test_a_training_split_without_price_movement_is_refused():
+    prices = _walk()  # 120 prices, _loader's split: first 8, cut 86, training ends 8..79
+    flat = prices.copy()
+    flat[8:83] = flat[8]  # training labels (main_horizon 3) read prices 8..82; 83 on still move
+    with pytest.raises(DataError) as err:
+        _loader(flat)
+    assert str(err.value) == (
+        f"price series: the training split does not move: prices 8..82 (the ones its "
+        f"direction labels read; its examples end at 8..79) are all {prices[8]}, so every "
+        "label there is 'down' and a direction accuracy on it would mean nothing; use a series "
+        "whose prices move in both splits, or another val_fraction")
+    flat[82] *= 1.01  # the last price a training label reads: the split moves now
+    _loader(flat)
+    # Several aligned series: the one that does not move is named by its row.
+    with pytest.raises(DataError, match=r"^price series\[1\]: the training split does not move"):
+        _loader(np.stack([prices, np.where(np.arange(120) < 8, prices, prices[8])]))

@@ -124,3 +124,37 @@ def test_move_aside_keeps_the_old_run(tmp_path, other_holder):
     with pytest.raises(runlock.RunLocked):
         runlock.move_aside(run_dir)
     assert (run_dir / records.RECORD_FILE).exists()
+
+
+def test_release_survives_an_unremovable_pid_file(tmp_path):
+    # A run directory made read-only mid-run: the pid file cannot be removed. The
+    # release must still free the lock and must not raise (it would hide the error
+    # that ended the run). A directory in the pid file's place fails the unlink
+    # even for root.
+    lock = runlock.acquire(tmp_path)
+    pid_file = tmp_path / runlock.PID_FILE
+    pid_file.unlink()
+    (pid_file / "x").mkdir(parents=True)
+    with pytest.raises(OSError):
+        pid_file.unlink()
+    lock.release()
+    assert runlock.holder(tmp_path) is None  # free for the next process
+
+
+def test_runs_table_shows_a_live_run_before_its_first_record(tmp_path, other_holder):
+    from lab.cli import runs_table
+
+    other_holder(tmp_path / "runs" / "a")
+    proc = other_holder(tmp_path / "runs" / "b")
+    _record(tmp_path / "runs" / "c", "complete")
+    (tmp_path / "runs" / "d").mkdir()  # a lock file nobody holds is not a run
+    runlock.acquire(tmp_path / "runs" / "d").release()
+    table, bad = runs_table(tmp_path / "runs")
+    status = dict(zip(table["dir"], table["status"]))
+    assert status["b"] == f"running (pid {proc.pid})" and status["c"] == "complete"
+    assert status["a"].startswith("running (pid ") and "d" not in status and not bad
+    assert runs_table(tmp_path / "runs" / "b")[0]["status"].tolist() == [
+        f"running (pid {proc.pid})"]
+    proc.kill()
+    proc.wait()
+    assert "b" not in set(runs_table(tmp_path / "runs")[0]["dir"])

@@ -114,3 +114,13 @@ def test_shortest_accepted_file(tmp_path):
     assert len(corpus.val) == 9
     x, y = eval_windows(corpus.val, 8)
     assert x.shape == (1, 8)
+
+
+def test_split_sizes_count_characters_not_bytes(tmp_path):
+    """What an EP record holds (trial finding F5): the split in characters, as made."""
+    path = tmp_path / "t.txt"
+    text = "ü" * 30 + "a" * 70  # 100 characters, 130 bytes
+    path.write_text(text, encoding="utf-8")
+    corpus = load_corpus(str(path), seq_len=4, val_fraction=0.25)
+    assert corpus.split_sizes() == {"train_chars": 75, "val_chars": 25}
+    assert corpus.decode(corpus.val) == "a" * 25

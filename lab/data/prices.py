@@ -27,7 +27,8 @@ Features at t never read a price after t, targets at t never read past t + h
 Validation is the later part of the series, by time: with cut the first validation step, a
 training example ends at t <= cut - max(horizons) (its targets read no price after the cut) and
 a validation example ends at t >= cut (its features may read older prices, as a deployed model
-would; its targets read only prices after the cut).
+would; its targets read only prices after the cut). A split whose direction labels read only
+equal prices is refused: its labels are all "down" and an accuracy on it says nothing.
 """
 
 from __future__ import annotations
@@ -81,12 +82,32 @@ def csv_prices(path: str | Path, column: str) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"price CSV {str(path)!r} does not exist; give the path of a CSV file "
                         "with a header row")
-    frame = pd.read_csv(path)
+    expected = (f"expected a header row naming the column {column!r}, then one price per row "
+                "(oldest first)")
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        # pandas' own "No columns to parse from file" names neither the file nor the fix.
+        what = "is empty (0 bytes)" if path.stat().st_size == 0 else "holds only blank lines"
+        raise DataError(f"price CSV {str(path)!r} {what}; {expected}") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as err:
+        raise DataError(f"price CSV {str(path)!r} cannot be read as CSV ({str(err).strip()}); "
+                        f"{expected}") from None
     if column not in frame.columns:
         raise DataError(f"price CSV {str(path)!r} has no column {column!r}; its columns are: "
                         f"{', '.join(map(str, frame.columns))}")
-    values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=np.float64)
-    return values
+    raw = frame[column]
+    values = pd.to_numeric(raw, errors="coerce")
+    # Coercion turns text into NaN; a cell that held something and is NaN now was not a
+    # number (blank and "NaN" cells stay NaN prices, which check_prices names as such).
+    text = (raw.notna() & values.isna()).to_numpy()
+    if text.any():
+        row = int(np.flatnonzero(text)[0])
+        raise DataError(f"not a number: {raw.iloc[row]!r} at row {row} ({path}:{column}; row 0 "
+                        "is the first after the header, blank lines not counted); "
+                        f"{int(text.sum())} cell(s) of the column are not numbers; give one "
+                        "price per row, as a plain number such as 101.25")
+    return values.to_numpy(dtype=np.float64)
 
 
 def synthetic_prices(kind: str = "random_walk", *, length: int = 2000, drift: float = 0.001,
@@ -186,8 +207,23 @@ class MultiHorizonLoader:
                 "example); use a longer series or smaller window / seq_len / horizons")
         asked = first + int(round((1.0 - val_fraction) * (last - first)))
         cut = min(max(asked, first + h_max + 1), last)
-        blocks = [self._series(check_prices(row, name if len(rows) == 1 else f"{name}[{i}]"),
-                               name) for i, row in enumerate(rows)]
+        names = [name if len(rows) == 1 else f"{name}[{i}]" for i in range(len(rows))]
+        rows = [check_prices(row, row_name) for row, row_name in zip(rows, names)]
+        blocks = [self._series(row, name) for row in rows]
+        for row, row_name in zip(rows, names):
+            # A split's direction labels compare the prices from its first example's end to
+            # its last example's end + main_horizon. Where those do not move, every label is
+            # "down": a direction accuracy of 1.0 there measures nothing (trial finding F7).
+            for split, (start, end) in (("training", (first, cut - h_max)),
+                                        ("validation", (cut, last))):
+                a, b = start, end + main_horizon
+                if np.all(row[a:b + 1] == row[a]):
+                    raise DataError(
+                        f"{row_name}: the {split} split does not move: prices {a}..{b} (the "
+                        f"ones its direction labels read; its examples end at {start}..{end}) "
+                        f"are all {row[a]}, so every label there is 'down' and a direction "
+                        "accuracy on it would mean nothing; use a series whose prices move in "
+                        "both splits, or another val_fraction")
         offsets = torch.arange(len(rows))[:, None] * n  # (S, 1)
         self.train_ends = (offsets + torch.arange(first, cut - h_max + 1)).flatten()
         self.val_ends = (offsets + torch.arange(cut, last + 1)).flatten()

@@ -92,6 +92,11 @@ class CharCorpus:
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)
 
+    def split_sizes(self) -> dict:
+        """The split as made, in characters (one character is one token here): what a run
+        records beside the text's identity (``record["data"]["split"]``)."""
+        return {"train_chars": len(self.train), "val_chars": len(self.val)}
+
 
 def load_corpus(text_path: str = "", *, seq_len: int, val_fraction: float = 0.1) -> CharCorpus:
     """The corpus at ``text_path`` ("" = the bundled one), split by position.

@@ -586,7 +586,8 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
                    checkpoint_every=config.checkpoint_every, progress=config.progress,
                    desc=f"ep seed {config.seed}",
-                   data={"text": text_identity(config.text_path)}) as life:
+                   data={"text": text_identity(config.text_path),
+                         "split": run.corpus.split_sizes()}) as life:
         done = life.start()
         if life.finished:
             return life.result()
