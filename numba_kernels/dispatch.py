@@ -112,6 +112,17 @@ def _refuse_overlap(written: str, w: torch.Tensor, others: dict, exact_ok: bool)
                              f"{written} is written in place; pass a copy ({name}.clone())")
 
 
+def _untracked(name: str, t):
+    """Refuse an in-place target autograd tracks: the kernels write through views that
+    bypass it, so a gradient through the write would be silently wrong (torch itself
+    refuses an in-place op on a leaf that requires grad)."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} ({_describe(t)}) requires grad and is written in place, "
+                           "which autograd would not see; write it under torch.no_grad() "
+                           f"(as an optimizer step does) or pass {name}.detach()")
+    return t
+
+
 def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{name} ({_describe(t)}) is written in place and must be "
@@ -291,7 +302,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     g = _scalar("gain", gain, h.dtype)
     given = out  # returned as ``.used`` itself; written through its detached alias
     if out is not None:
-        out = _in_place("out", _population("out", out, like=h))
+        out = _in_place("out", _population("out", _untracked("out", out), like=h))
         # The very same view as I or h is fine: each element is read before it is written.
         _refuse_overlap("out", out, {"I": I, "h": h, "C": C, "P": P, "b": b}, exact_ok=True)
     form = _form(backend, h.device)
@@ -444,7 +455,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     g, sc = _scalar("gain", gain, h.dtype), _scalar("scale", scale, h.dtype)
     given = out
     if out is not None:
-        out = _in_place("out", _population("out", out, like=h))
+        out = _in_place("out", _population("out", _untracked("out", out), like=h))
         _refuse_overlap("out", out, {"I": I, "h": h, "o": o, "C": C, "P": P, "b": b,
                                      "mean": mean, "invstd": invstd, "gamma": gamma},
                         exact_ok=True)
@@ -519,8 +530,8 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     """
     h = _population("h", h)
     T = _population("T", T, like=h)
-    P = _in_place("P", _per_unit("P", P, h))
-    b = _in_place("b", _per_unit("b", b, h))
+    P = _in_place("P", _per_unit("P", _untracked("P", P), h))
+    b = _in_place("b", _per_unit("b", _untracked("b", b), h))
     _refuse_overlap("P", P, {"b": b, "h": h, "T": T}, exact_ok=False)
     _refuse_overlap("b", b, {"h": h, "T": T}, exact_ok=False)
     lr = _scalar("eta", eta, h.dtype)
@@ -556,7 +567,7 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
             cpu.aux_add(views[0].ravel(), views[1].ravel())
             _mark_written(dst)
             return dst
-    dst_d = _in_place("dst", _tensor("dst", dst))
+    dst_d = _in_place("dst", _tensor("dst", _untracked("dst", dst)))
     src = _tensor("src", src, like=dst_d, like_name="dst's")
     if src.shape != dst_d.shape:
         raise ValueError(f"src ({_describe(src)}) must have dst's shape {tuple(dst_d.shape)} "

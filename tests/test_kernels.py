@@ -531,3 +531,30 @@ def test_more_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"^o \(shape \(2, 3, 5\).*must have the population's "
                                          r"shape \(4, 3, 5\)"):
         nk.mixed_local(p["I"], p["h"], torch.randn(2, 3, 5), p["C"], 0.5, p["P"], p["b"], "raw")
+
+
+@pytest.mark.parametrize("backend", ["auto", "numba", "torch"])
+def test_in_place_targets_autograd_tracks_are_refused(backend):
+    # The kernels write through views autograd cannot see: a tracked target is refused
+    # (as torch refuses an in-place op on a leaf that requires grad), with no change made;
+    # under no_grad (an optimizer step) the write goes through.
+    B, U = 3, 5
+    h, I = torch.rand(B, U), torch.randn(B, U)
+    C, P, b = torch.rand(U), torch.zeros(U), torch.zeros(U)
+    leaf = torch.zeros(B, U, requires_grad=True)
+    tracked = torch.zeros(B, U, requires_grad=True) * 1.0  # a non-leaf in a graph
+    for target in (leaf, tracked):
+        for call, name in ((lambda t: nk.aux_add(t, I, backend=backend), "dst"),
+                           (lambda t: nk.mixed_apical(I, h, C, 0.5, P, b, "raw", out=t,
+                                                      backend=backend), "out")):
+            with pytest.raises(RuntimeError, match=rf"{name} \(shape \(3, 5\).*requires grad "
+                                                   r"and is written in place.*torch.no_grad"):
+                call(target)
+            assert not target.detach().any()
+    Pg = torch.zeros(U, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"P \(shape \(5,\).*requires grad"):
+        nk.predictor_update(h, I, Pg, torch.zeros(U), 0.5, backend=backend)
+    assert not Pg.detach().any()
+    with torch.no_grad():
+        nk.aux_add(leaf, I, backend=backend)
+    assert torch.equal(leaf.detach(), I)
