@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import platform
+import warnings
 
 import torch
 
@@ -34,6 +35,16 @@ def set_threads(threads: int) -> int:
     """
     if threads > 0:
         import numba
+
+        from .sweep import usable_cores  # (torch-free, so `lab runs` stays quick)
+
+        cores = usable_cores()
+        if threads > cores:
+            # Not refused: a config may be written on one machine and run on a larger one.
+            warnings.warn(f"threads={threads} is more than the {cores} core(s) this process "
+                          "may use: the threads will share the cores and the run will be "
+                          f"slower; threads={cores} (or 0, torch's default) fits this machine",
+                          stacklevel=2)
 
         # Numba first: its first call starts its OpenMP pool (a second libgomp), and
         # torch's thread count read after that start would not be the one set before.

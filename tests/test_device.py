@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -56,3 +57,22 @@ def test_configure_process_sets_the_thread_count_numba_included():
         assert configure_process(0) == 1  # 0 keeps what is in force
     finally:
         configure_process(before)
+
+
+def test_more_threads_than_cores_warns_naming_both(monkeypatch):
+    import torch
+
+    import lab.sweep
+    from lab.device import set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 1)
+    try:
+        with pytest.warns(UserWarning, match=r"threads=2 is more than the 1 core\(s\) this "
+                                             r"process may use.*threads=1 \(or 0"):
+            assert set_threads(2) == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            set_threads(1)  # fits: silent
+    finally:
+        set_threads(before)
