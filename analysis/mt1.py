@@ -9,10 +9,13 @@ everything the comparison needs (one error listing every gap) and draws it:
 final accuracy and loss per condition, feedback cosine and the five
 mixed-apical RMS trajectories, the innovation/traffic and used/instruction
 ratios over training, the predictor's residual ratio, and each signal's
-alignment with the true gradient.
+alignment with the true gradient, with how many populations each alignment mean
+covers (a collapsed network's mean can be one population's cosine).
 """
 
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 
@@ -27,44 +30,77 @@ ROW_METRICS = (
     *(f"rule/apical/rms_{s}/mean" for s in SIGNALS),
 )
 # The predictor's residual ratio and the signal alignments are required too, but
-# may be undefined (NaN) when a condition silenced the network: a population with
-# no active unit carries no traffic and sends no instruction below it. That is a
-# result, not a gap: ``silent_populations`` (required, finite) says how many.
+# may be undefined (NaN), and that is a result, not a gap:
+# - the residual ratio RMS(T - P h - b) / RMS(T) is 0/0 where no population carries
+#   traffic: at traffic_ratio 0 (every calibrated gain is 0, ``rule/gains/<i>``), or
+#   when a condition silenced the network;
+# - a population whose layer above is silent receives no instruction, so its cosine is
+#   undefined and the record's mean is over the populations where it is defined. With
+#   every population silent the top one still is (the read-out instructs it), so the
+#   mean can stand for one population: ``align_<signal>/populations`` counts them.
+# ``silent_populations`` (required, finite) says how many populations are silent.
 FINAL_METRICS = ("test_acc", "test_loss", "rule/silent_populations")
-MEASURED = ("rule/predictor_residual_ratio",
-            *(f"rule/signal_alignment/{s}/mean" for s in ALIGNED))
+RESIDUAL = "rule/predictor_residual_ratio"
+ALIGNMENT = "rule/signal_alignment/"
+MEASURED = (RESIDUAL, *(f"{ALIGNMENT}{s}/mean" for s in ALIGNED))
 
 
 def check_mt1_complete(data) -> None:
     """Every run complete with the MT-1 trajectories and final diagnostics (one error).
 
-    The diagnostics in ``MEASURED`` must be present; they may be NaN only in a run
-    with silent populations (see above), and then the tables show NaN. A protocol
-    without the ``rule_params.traffic_rule`` grid key is not MT-1: one ValueError
-    says so, instead of a list of everything such runs lack.
+    The diagnostics in ``MEASURED`` must be present. They may be NaN only where they
+    are undefined (see above): the residual ratio in a run without traffic (every gain
+    0) or with silent populations, an alignment in a run with silent populations; the
+    tables then show NaN. A protocol without the ``rule_params.traffic_rule`` grid key
+    is not MT-1: one ValueError says so, instead of a list of everything such runs lack.
     """
     from .completeness import IncompleteProtocolError, find_problems
 
     _table(data)
     problems = find_problems(data.runs, data.metrics, data.expected_ids, ROW_METRICS,
                              FINAL_METRICS)
+    faults = []  # complete runs whose diagnostic is NaN where it is defined
     finals = data.metrics[data.metrics["axis"] == "final"]
     for run_id in data.expected_ids:
         mine = finals[finals["run_id"] == run_id].set_index("metric")["value"]
         if not len(mine):
             continue
+        silent = mine.get("rule/silent_populations", 0) > 0
+        gains = mine[mine.index.str.startswith("rule/gains/")]
+        no_traffic = len(gains) > 0 and bool((gains == 0).all())
         for name in MEASURED:
             if name not in mine:
                 problems.append(f"{run_id}: final field {name!r} missing")
-            elif mine[name] != mine[name] and not mine.get("rule/silent_populations", 0) > 0:
-                problems.append(f"{run_id}: final field {name!r} is non-finite (nan) although "
-                                "no population is silent")
-    if problems:
-        lines = "\n".join(f"  - {line}" for line in problems)
+            elif mine[name] != mine[name] and not silent and not (
+                    name == RESIDUAL and no_traffic):
+                why = ("no population is silent" if name != RESIDUAL else
+                       "no population is silent and the traffic gains are not all 0")
+                faults.append(f"{run_id}: final field {name!r} is non-finite (nan) although "
+                              f"{why}")
+    if problems or faults:
+        lines = "\n".join(f"  - {line}" for line in problems + faults)
+        advice = ("only complete data is summarised; rerun the sweep to fill the gaps"
+                  if problems else "rerunning reproduces a NaN in a complete run: a fault of "
+                  "the run or the rule, not a gap")
         raise IncompleteProtocolError(
-            f"incomplete data: {len(problems)} problem(s) across {len(data.expected_ids)} "
-            f"expected runs (only complete data is summarised; rerun the sweep to fill the "
-            f"gaps):\n{lines}", problems)
+            f"incomplete data: {len(problems) + len(faults)} problem(s) across "
+            f"{len(data.expected_ids)} expected runs ({advice}):\n{lines}", problems + faults)
+
+
+def populations_covered(data) -> pd.DataFrame:
+    """Per run, how many populations each signal's alignment mean covers (finite cosines),
+    and ``populations``: how many the network has."""
+    finals = data.metrics[(data.metrics["axis"] == "final")
+                          & data.metrics["metric"].str.startswith(ALIGNMENT)
+                          & ~data.metrics["metric"].str.endswith("/mean")]
+    parts = finals["metric"].str[len(ALIGNMENT):].str.split("/", n=1, expand=True)
+    finals = finals.assign(signal=parts[0], population=parts[1])
+    finals = finals[finals["signal"].isin(ALIGNED)]
+    defined = finals.assign(defined=finals["value"].map(math.isfinite)).pivot_table(
+        index="run_id", columns="signal", values="defined", aggfunc="sum")
+    covered = defined[list(ALIGNED)].rename(columns=lambda s: f"align_{s}/populations")
+    covered["populations"] = finals.groupby("run_id")["population"].nunique()
+    return covered.astype(float)
 
 
 def _table(data) -> pd.DataFrame:
@@ -76,14 +112,24 @@ def _table(data) -> pd.DataFrame:
 
 
 def final_table(data) -> pd.DataFrame:
-    """Per condition, mean and std over seeds of accuracy, loss and the final diagnostics."""
+    """Per condition, mean and std over seeds of accuracy, loss and the final diagnostics.
+
+    Beside each ``align_<signal>`` (the mean cosine over the populations where it is
+    defined) ``align_<signal>/populations`` says how many populations that is, of
+    ``populations``.
+    """
     table = _table(data)
     finals = data.metrics[data.metrics["axis"] == "final"].pivot_table(
-        index="run_id", columns="metric", values="value")
+        index="run_id", columns="metric", values="value", dropna=False)
     columns = ["test_acc", "test_loss", "rule/silent_populations", *MEASURED]
-    frame = finals[columns].join(table.set_index("run_id")[CONDITION])
-    frame = frame.rename(columns=lambda c: c.replace("rule/signal_alignment/", "align_")
-                         .replace("/mean", "").replace("rule/", ""))
+    frame = finals[columns].rename(columns=lambda c: c.replace(ALIGNMENT, "align_")
+                                   .replace("/mean", "").replace("rule/", ""))
+    frame = frame.join(populations_covered(data))
+    order = ["test_acc", "test_loss", "silent_populations", "populations",
+             "predictor_residual_ratio"]
+    for signal in ALIGNED:
+        order += [f"align_{signal}", f"align_{signal}/populations"]
+    frame = frame[order].join(table.set_index("run_id")[CONDITION])
     stats = frame.groupby(CONDITION).agg(["mean", "std"])
     stats.columns = [f"{a}/{b}" for a, b in stats.columns]
     return stats
@@ -142,17 +188,31 @@ def rms_panels(data) -> Figure:
 
 
 def alignment_bars(data) -> Figure:
-    """Mean over populations and seeds of cos(signal, true gradient), per condition."""
+    """Mean over seeds of each signal's alignment mean (cos(signal, true gradient) over
+    the populations where it is defined), per condition. Each tick says how many
+    populations the means cover (mean over seeds / all); a bar over fewer than
+    all populations is hatched."""
     stats = final_table(data)
-    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(ALIGNED)
+    total = stats["populations/mean"]
     for k, signal in enumerate(ALIGNED):
         xs = [i + k * width for i in range(len(stats))]
-        ax.bar(xs, stats[f"align_{signal}/mean"], width, yerr=stats[f"align_{signal}/std"]
-               .fillna(0), capsize=2, label=signal)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stats))], stats.index)
+        bars = ax.bar(xs, stats[f"align_{signal}/mean"], width,
+                      yerr=stats[f"align_{signal}/std"].fillna(0), capsize=2, label=signal)
+        for bar, partial in zip(bars, stats[f"align_{signal}/populations/mean"] < total):
+            bar.set_hatch("//" if partial else "")
+    ticks = []
+    for condition in stats.index:
+        covered = stats.loc[condition, [f"align_{s}/populations/mean" for s in ALIGNED]]
+        low, high = covered.min(), covered.max()
+        span = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        ticks.append(f"{condition}\n{span}/{total[condition]:g} populations")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stats))], ticks, fontsize="small")
     ax.set_ylabel("cos(signal, BP gradient)")
+    ax.set_title("mean over the populations where defined (hatched: not all of them)",
+                 fontsize="small")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.legend(fontsize="small", ncol=3)
     return fig

@@ -12,9 +12,14 @@ its protocol trains (1-D ResNet-20, batch 128 of 1 x 40): ordinary steps (no
 calibration event due; full step with the SGD step) and calibration events
 (``rule.calibrate(x, y)``: the clean pass, the perturbed passes at every
 population, the feedback update) timed apart, interleaved with fa's steps, and
-the amortised step at ``--every`` (the protocol's ``pert_every``).
+the amortised step at ``--every`` (the protocol's ``pert_every``). That second
+table is printed for the learned rules named in ``--rules`` (none named: no
+table); it times its own fa and always uses the protocol's batch of 128, whatever
+``--batch`` says.
 
     python benchmarks/bench_rules.py [--rounds 15] [--rules bp,fa,kp] [--every 8]
+
+``--rules`` must include ``bp``: every ratio is against bp's step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from lab.models import ResNet
 from lab.rules import RULES, make_rule
 
 LEARNED = ("lhfa", "sdil")
+LEARNED_BATCH = 128  # the MNIST-1D protocol's batch: the second table's own, not --batch
 
 
 def _lab_step(rule_name, x, y, dims=2, params=None):
@@ -53,28 +59,31 @@ def _lab_step(rule_name, x, y, dims=2, params=None):
     return step
 
 
-def learned_split(rounds: int, every: int) -> None:
-    """lhfa and sdil against fa on the MNIST-1D shape: ordinary steps and events apart."""
+def learned_split(rounds: int, every: int, learned=LEARNED) -> None:
+    """Learned-feedback rules against fa on the MNIST-1D shape (batch LEARNED_BATCH):
+    ordinary steps and calibration events apart."""
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(128, 1, 40, generator=g), torch.randint(0, 10, (128,), generator=g)
-    steps = {name: _lab_step(name, x, y, dims=1) for name in ("fa", *LEARNED)}
+    x = torch.randn(LEARNED_BATCH, 1, 40, generator=g)
+    y = torch.randint(0, 10, (LEARNED_BATCH,), generator=g)
+    steps = {name: _lab_step(name, x, y, dims=1) for name in ("fa", *learned)}
     for step in steps.values():
         step(), step()
-    times = {k: [] for k in (*steps, *(f"{n} event" for n in LEARNED))}
+    times = {k: [] for k in (*steps, *(f"{n} event" for n in learned))}
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-            if name in LEARNED:
+            if name in learned:
                 start = time.perf_counter()
                 step.rule.calibrate(x, y)
                 times[f"{name} event"].append(time.perf_counter() - start)
     fa = statistics.median(times["fa"])
-    print(f"\nlearned feedback, 1-D ResNet-20, batch 128 x 1 x 40: fa step {1e3 * fa:.1f} ms; "
-          f"{steps['lhfa'].rule.params.pert_directions} directions per population and event")
+    print(f"\nlearned feedback, 1-D ResNet-20, batch {LEARNED_BATCH} x 1 x 40: fa step "
+          f"{1e3 * fa:.1f} ms; {steps[learned[0]].rule.params.pert_directions} directions per "
+          "population and event")
     print(f"{'rule':<6} {'step / fa':>10} {'event / fa':>11} {f'amortised at every={every}':>26}")
-    for name in LEARNED:
+    for name in learned:
         step, event = statistics.median(times[name]), statistics.median(times[f"{name} event"])
         amortised = (step + event / every) / fa
         print(f"{name:<6} {step / fa:>10.2f} {event / fa:>11.1f} {amortised:>26.2f}")
@@ -118,18 +127,56 @@ def _biotorch_step(x, y):
     return step
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--rules", default=",".join(sorted(RULES)))
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--every", type=int, default=8, help="lhfa/sdil pert_every")
-    args = parser.parse_args()
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked before any timing: one argparse error (exit 2) if wrong."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="Second table: learned feedback (lhfa, sdil) against fa on the MNIST-1D shape, "
+               f"printed when --rules names lhfa and/or sdil; it uses its own batch of "
+               f"{LEARNED_BATCH} (the protocol's), not --batch.")
+    parser.add_argument("--rounds", type=_positive, default=15,
+                        help="timed steps per rule, interleaved round-robin (default 15)")
+    parser.add_argument("--rules", default=",".join(sorted(RULES)),
+                        help="comma-separated rules to time; must include bp, the baseline "
+                             "(default: every rule)")
+    parser.add_argument("--batch", type=_positive, default=128,
+                        help="batch of the first table's CIFAR-shaped input (default 128)")
+    parser.add_argument("--every", type=_positive, default=8,
+                        help="lhfa/sdil pert_every: one calibration event every EVERY steps, "
+                             "for the second table's amortised step (default 8)")
+    args = parser.parse_args(argv)
+    rules = [name.strip() for name in args.rules.split(",")]
+    unknown = [name for name in rules if name not in RULES]
+    if unknown:
+        parser.error(f"argument --rules: unknown rule(s) {', '.join(map(repr, unknown))}; "
+                     f"known rules: {', '.join(sorted(RULES))}")
+    if len(set(rules)) != len(rules):
+        parser.error(f"argument --rules: a rule is named twice in {args.rules!r}")
+    if "bp" not in rules:
+        parser.error(f"argument --rules: must include bp, the baseline every ratio is "
+                     f"against; got {args.rules!r}")
+    args.rules = rules
+    args.learned = tuple(name for name in LEARNED if name in rules)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     configure_process(torch.get_num_threads())  # the allocator policy every run has
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
-    steps = {name: _lab_step(name, x, y) for name in args.rules.split(",")}
+    steps = {name: _lab_step(name, x, y) for name in args.rules}
     bio = _biotorch_step(x, y)
     if bio is not None:
         steps["biotorch-fa"] = bio
@@ -151,8 +198,8 @@ def main():
     if "biotorch-fa" in times and "fa" in times:
         ratio = statistics.median(times["fa"]) / statistics.median(times["biotorch-fa"])
         print(f"lab fa / BioTorch fa = {ratio:.3f}")
-    if set(LEARNED) <= set(steps):
-        learned_split(args.rounds, args.every)
+    if args.learned:
+        learned_split(args.rounds, args.every, args.learned)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ removed, everything else kept), shows what the step costs besides the kernel::
 
     .venv/bin/python benchmarks/bench_traffic.py [--repeats 15] [--runs 1] [--batch 128] [--quick]
 
+``--quick`` is a smoke run: ResNet-8 at batch 32, or at ``--batch`` when given.
+
 ``--runs N`` repeats the whole measurement N times in one process and prints
 each run's ratio, their median and range (on a shared machine one run can land
 in a slow spell; the spread says how much that moves the ratio).
@@ -94,18 +96,34 @@ def _measure(rules, x, y, repeats: int) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked before anything is built: one argparse error (exit 2) if wrong.
+    Sets ``depth`` and resolves ``batch`` (default 128, or 32 with ``--quick``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="steps per rule and pairing in one measurement (default 15)")
     parser.add_argument("--runs", type=int, default=1, help="whole measurements, one process")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="ResNet-8, batch 32: a smoke run")
-    args = parser.parse_args()
+    parser.add_argument("--batch", type=int, default=None,
+                        help="examples per step, also the traffic calibration and predictor "
+                             "batches (default 128; 32 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet-8 instead of ResNet-20, batch 32 unless --batch: a smoke run")
+    args = parser.parse_args(argv)
     if args.repeats < 1 or args.runs < 1:
         parser.error(f"--repeats and --runs must be at least 1, got {args.repeats} and "
                      f"{args.runs}")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"argument --batch: must be at least 1, got {args.batch}")
+    args.depth = 8 if args.quick else 20
+    if args.batch is None:
+        args.batch = 32 if args.quick else 128
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     configure_process(torch.get_num_threads())  # the allocator policy every run has
-    depth, batch = (8, 32) if args.quick else (20, args.batch)
+    depth, batch = args.depth, args.batch
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)

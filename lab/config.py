@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 # Fields that change what is shown, never what is computed: they are left out of a
@@ -199,12 +200,36 @@ def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) ->
             )
 
 
+def plain_number(value: Any, annotation: Any) -> Any:
+    """A numpy integer or floating scalar as the Python int or float the field takes.
+
+    Grids built with numpy (``np.arange``, ``np.linspace``) hand over numpy scalars; a
+    config stores Python numbers so records and run hashes stay plain JSON. Anything
+    else, numpy bools included, is returned as it is, for ``check_field`` to judge.
+    """
+    if isinstance(value, np.integer):
+        plain = int(value)
+    elif isinstance(value, np.floating):
+        plain = float(value)
+    else:
+        return value
+    return plain if _type_ok(plain, annotation) else value
+
+
 def validate(config: Any) -> None:
-    """Check every field of a dataclass instance; call from ``__post_init__``."""
+    """Check every field of a dataclass instance; call from ``__post_init__``.
+
+    A numpy number where an int or float belongs is stored as the Python number
+    (``plain_number``), also in frozen dataclasses.
+    """
     owner = type(config).__name__
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
-        check_field(owner, f.name, getattr(config, f.name), hints[f.name], f.metadata)
+        value = getattr(config, f.name)
+        plain = plain_number(value, hints[f.name])
+        if plain is not value:
+            object.__setattr__(config, f.name, plain)
+        check_field(owner, f.name, plain, hints[f.name], f.metadata)
 
 
 def field_names(cls) -> list[str]:

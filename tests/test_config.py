@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 
+import numpy as np
 import pytest
 
-from lab.config import ConfigError, from_dict
+from lab.config import ConfigError, as_dict, from_dict
 from lab.train import ConvConfig
 
 HINTS = typing.get_type_hints(ConvConfig)
@@ -79,3 +81,27 @@ def test_asdict_round_trips():
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ConvConfig().lr = 1.0
+
+
+def test_numpy_numbers_are_stored_as_python_numbers():
+    # Grids built with numpy hand over numpy scalars: accepted where an int or float
+    # belongs, stored as Python numbers so records and run hashes stay plain JSON.
+    given = ConvConfig(n_train=np.int64(256), lr=np.float32(0.25), seed=np.uint8(3),
+                       rule="kp_traffic",
+                       rule_params={"predictor_every": np.int64(5),
+                                    "traffic_ratio": np.float64(2.5)})
+    plain = ConvConfig(n_train=256, lr=0.25, seed=3, rule="kp_traffic",
+                       rule_params={"predictor_every": 5, "traffic_ratio": 2.5})
+    assert given == plain and hash(given) == hash(plain)
+    for value in (given.n_train, given.seed, given.rule_params["predictor_every"]):
+        assert type(value) is int
+    for value in (given.lr, given.rule_params["traffic_ratio"]):
+        assert type(value) is float
+    assert json.dumps(as_dict(given)) == json.dumps(as_dict(plain))
+
+
+@pytest.mark.parametrize("value, kind", [
+    (np.bool_(True), "bool"), (True, "bool"), (np.float64(2.5), "float64")])
+def test_numpy_bools_and_fractions_are_still_refused_for_ints(value, kind):
+    with pytest.raises(ConfigError, match=rf"ConvConfig\.epochs must be int, got .*\({kind}"):
+        ConvConfig(epochs=value)

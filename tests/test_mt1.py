@@ -85,7 +85,7 @@ def test_an_undefined_diagnostic_needs_a_silent_population(data):
     data.metrics = m
     assert _problems(data) == [
         f"{INNOVATION1}: final field 'rule/predictor_residual_ratio' is non-finite (nan) "
-        "although no population is silent"]
+        "although no population is silent and the traffic gains are not all 0"]
 
 
 def test_a_missing_final_diagnostic_is_named(data):
@@ -99,3 +99,72 @@ def test_a_protocol_without_the_condition_key_is_refused(data):
     data.specs = [type(s)(s.run_id, s.params, {"seed": s.grid["seed"]}) for s in data.specs]
     with pytest.raises(ValueError, match="MT-1 needs the grid key 'rule_params.traffic_rule'"):
         mt1.final_table(data)
+
+
+def _set_final(data, run_ids, metric_prefix, value):
+    m = data.metrics.copy()
+    hit = m["run_id"].isin(run_ids) & m["metric"].str.startswith(metric_prefix)
+    assert hit.any()
+    m.loc[hit, "value"] = value
+    data.metrics = m
+
+
+def test_without_traffic_the_residual_ratio_is_undefined_not_a_gap(data):
+    # A protocol at traffic_ratio 0: every calibrated gain is 0, so RMS(residual) / RMS(traffic)
+    # is 0/0 in every run. The runs are complete; the table keeps the ratio, as NaN
+    # (undefined), and nothing else moves.
+    before = mt1.final_table(data)
+    _set_final(data, data.expected_ids, "rule/gains/", 0.0)
+    _set_final(data, data.expected_ids, "rule/predictor_residual_ratio", math.nan)
+    mt1.check_mt1_complete(data)
+    after = mt1.final_table(data)
+    assert after["predictor_residual_ratio/mean"].isna().all()
+    rest = [c for c in before.columns if not c.startswith("predictor_residual_ratio")]
+    assert after[rest].equals(before[rest])
+    assert mt1.alignment_bars(data)._repr_png_().startswith(b"\x89PNG")
+
+
+def test_an_undefined_residual_with_some_traffic_is_still_named(data):
+    # One gain left non-zero: there is traffic, so a NaN ratio is a fault, not a result.
+    _set_final(data, [INNOVATION1], "rule/gains/", 0.0)
+    _set_final(data, [INNOVATION1], "rule/gains/6", 0.5)
+    _set_final(data, [INNOVATION1], "rule/predictor_residual_ratio", math.nan)
+    assert _problems(data) == [
+        f"{INNOVATION1}: final field 'rule/predictor_residual_ratio' is non-finite (nan) "
+        "although no population is silent and the traffic gains are not all 0"]
+    # The run is complete: no advice to rerun the sweep, which would reproduce the NaN.
+    with pytest.raises(IncompleteProtocolError, match=r"rerunning reproduces a NaN in a "
+                       r"complete run: a fault of the run or the rule, not a gap\)") as info:
+        mt1.check_mt1_complete(data)
+    assert "rerun the sweep" not in str(info.value)
+
+
+def test_the_alignment_mean_says_how_many_populations_it_covers(data):
+    # The fixture's raw runs are fully silent (7 of 7) but the top population, instructed
+    # by the read-out, keeps a finite cosine: the mean is that one population's cosine.
+    finals = mt1.final_table(data)
+    table = data.table().set_index("run_id")
+    raw = table[table[mt1.CONDITION] == "raw"]
+    top = "final.rule/signal_alignment/{}/block2.outer"
+    for signal in mt1.ALIGNED:
+        assert finals.loc["raw", f"align_{signal}/populations/mean"] == 1
+        assert finals.loc["raw", f"align_{signal}/mean"] == pytest.approx(
+            raw[top.format(signal)].mean(), abs=1e-12)
+        assert finals.loc["none", f"align_{signal}/populations/mean"] == 7
+    assert (finals["populations/mean"] == 7).all()
+    assert (finals.loc["raw", "silent_populations/mean"]
+            == finals.loc["raw", "populations/mean"])
+    # Counted from the per-population cosines, independently of the recorded mean.
+    covered = mt1.populations_covered(data)
+    cos = table.filter(like="final.rule/signal_alignment/used/").drop(
+        columns="final.rule/signal_alignment/used/mean")
+    assert (covered["align_used/populations"] == cos.notna().sum(axis=1)
+            .reindex(covered.index)).all()
+    # The figure says so: the raw tick names 1 of 7 populations, its bars are hatched.
+    fig = mt1.alignment_bars(data)
+    ax = fig.axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks[list(finals.index).index("raw")] == "raw\n1/7 populations"
+    assert ticks[list(finals.index).index("none")] == "none\n7/7 populations"
+    hatched = [bar.get_hatch() for bar in ax.patches]
+    assert hatched.count("//") == len(mt1.ALIGNED)  # one raw bar per signal

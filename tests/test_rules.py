@@ -616,6 +616,18 @@ def test_make_rule_refuses_a_bad_seed(seed):
         make_rule("fa", ResNet(8, 4, dims=1, in_channels=1, n_classes=4), seed=seed)
 
 
+def test_make_rule_takes_a_numpy_integer_seed_as_the_int():
+    import numpy as np
+
+    model = ResNet(8, 4, dims=1, in_channels=1, n_classes=4)
+    by_numpy = make_rule("fa", copy.deepcopy(model), seed=np.int64(3))
+    by_int = make_rule("fa", copy.deepcopy(model), seed=3)
+    draws = [[b.clone() for b in r.feedback if b is not None] for r in (by_numpy, by_int)]
+    assert all(torch.equal(a, b) for a, b in zip(*draws)) and len(draws[0]) > 0
+    with pytest.raises(ConfigError, match=r"make_rule seed=-1 is not allowed"):
+        make_rule("fa", model, seed=np.int64(-1))
+
+
 def test_make_rule_takes_the_rules_params_instance():
     from lab.rules import rule_class
     model = ResNet(8, 4, dims=1, in_channels=1, n_classes=4)

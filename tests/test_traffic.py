@@ -428,6 +428,18 @@ def test_residual_ratio_is_defined_by_traffic_and_nan_without_it():
     assert rule.residual_ratio(silent) != rule.residual_ratio(silent)  # NaN: no traffic
 
 
+def test_zero_traffic_ratio_records_zero_gains_and_an_undefined_residual():
+    """traffic_ratio 0 (the natural control): every gain is 0, so the residual ratio is
+    0/0, NaN, in a network with no silent population; this is the record the MT-1
+    analysis accepts as complete (analysis.mt1.check_mt1_complete)."""
+    model, rule, x, y = _calibrated(1, "innovation", traffic_ratio=0.0)
+    final = rule.final_metrics(x, y)
+    assert final["gains"] == [0.0] * len(model.population_names)
+    assert final["silent_populations"] == 0
+    assert final["predictor_residual_ratio"] != final["predictor_residual_ratio"]
+    assert all(v == v for v in final["signal_alignment"]["used"].values())
+
+
 def test_state_round_trip_copies_every_rule_tensor():
     model, rule, x, y = _calibrated(2, "innovation", predictor_warmup_steps=2,
                                     predictor_batch=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..config import SEED_MAX, ConfigError, field_names, from_dict
+from ..config import SEED_MAX, ConfigError, field_names, from_dict, plain_number
 
 RULES: dict[str, type] = {}
 
@@ -57,7 +57,8 @@ def resolve_params(name: str, params) -> dict:
 
 def make_rule(name: str, model, params=None, *, seed: int = 0):
     """Rule ``name`` for ``model``; ``params`` a mapping or the rule's Params; ``seed`` the
-    run seed its random draws derive from."""
+    run seed its random draws derive from (a numpy integer is taken as the int)."""
+    seed = plain_number(seed, int)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ConfigError(f"make_rule seed={seed!r} is not allowed; give an integer in "
                           f"[0, {SEED_MAX}] (the run seed)")
