@@ -254,8 +254,10 @@ def test_recorded_learning_rate_follows_one_cycle(tiny):
             a, b, t = peak, floor, (s - end1) / (total - 1 - end1)
         return b + (a - b) / 2 * (math.cos(math.pi * t) + 1)
 
+    # Each epoch's row holds the rate its last step used; the last is the cycle's floor.
     lrs = [row["lr"] for row in record["trajectory"]]
-    assert lrs == pytest.approx([onecycle((e + 1) * steps) for e in range(6)], rel=1e-9)
+    assert lrs == pytest.approx([onecycle((e + 1) * steps - 1) for e in range(6)], rel=1e-9)
+    assert lrs[-1] == pytest.approx(floor, rel=1e-9)
     assert lrs[0] < lrs[1] and lrs[1] > lrs[2] > lrs[3] > lrs[4]
 
 
@@ -372,8 +374,8 @@ def test_recorded_learning_rate_follows_the_other_schedules(tiny, schedule):
     steps, total = 4, 16
     if schedule == "constant":
         want = [config.lr] * 4
-    else:  # CosineAnnealingLR to zero over the run, read after each epoch's last step
-        want = [config.lr * (1 + math.cos(math.pi * (e + 1) * steps / total)) / 2
+    else:  # CosineAnnealingLR to zero over the run: the rate each epoch's last step used
+        want = [config.lr * (1 + math.cos(math.pi * ((e + 1) * steps - 1) / total)) / 2
                 for e in range(4)]
     assert lrs == pytest.approx(want, rel=1e-9, abs=1e-15)
 

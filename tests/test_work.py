@@ -140,11 +140,26 @@ def test_dfa_bill_counts_the_projection_of_every_population():
                             "feedback_propagation": 10 * sum(sizes) * 100}
 
 
-def test_sign_symmetry_refresh_is_elementwise_per_step():
-    work, _ = _bill("usf", events=3)
+def test_dfa_gradient_matching_bills_its_one_backprop_pass():
+    # projection_norm "gradient" runs one forward and backprop's input gradients (every
+    # layer but the stem) on the first batch (4 examples here), before training.
+    work, f = _bill("dfa", projection_norm="gradient")
+    hooked = _hooked()
+    reverse_inputs = sum(v for k, v in hooked.items() if k != "stem")
+    assert work["macs"]["gradient_matching"] == 4 * (f + reverse_inputs)
+    assert work["total_macs"] == sum(work["macs"].values())
+    assert "gradient_matching" not in _bill("dfa", projection_norm="fixed")[0]["macs"]
+
+
+@pytest.mark.parametrize("name", ["usf", "frsf", "brsf"])
+def test_sign_symmetry_refresh_is_elementwise_per_step(name):
+    work, _ = _bill(name, events=3)
     model = ResNet(8, 4, dims=1, in_channels=1)
     weights = sum(m.weight.numel() for n, m in model.layers if n != "stem")
-    assert work["elementwise"] == {"feedback_refresh": 2 * 3 * weights}
+    want = {"feedback_refresh": 2 * 3 * weights}
+    if name == "brsf":  # a fresh draw, its scale and |.| per weight and step
+        want["feedback_draw"] = 3 * 3 * weights
+    assert work["elementwise"] == want
 
 
 @pytest.mark.parametrize("name", sorted(RULES))

@@ -53,6 +53,7 @@ class DirectFeedbackAlignment(Rule):
         self.generator = torch.Generator().manual_seed(
             derive_seed(seed, "dfa", self.params.feedback_seed))
         self.projections: list[torch.Tensor] | None = None  # D_l: (K, units of population l)
+        self.matched_examples = 0  # projection_norm "gradient": the one backprop pass's batch
 
     def _make_projections(self, populations, n_classes):
         std = self.params.feedback_scale / math.sqrt(n_classes)
@@ -81,6 +82,7 @@ class DirectFeedbackAlignment(Rule):
         with torch.no_grad():
             for d, g in zip(self.projections, true):
                 d.mul_(self.params.feedback_scale * g.norm() / (e @ d).norm())
+        self.matched_examples = len(y)
 
     def teaching(self, e: torch.Tensor, populations) -> list[torch.Tensor]:
         """e . D_l reshaped to each population. e: (B, K) -> [(B, *unit shape)]"""
@@ -100,17 +102,27 @@ class DirectFeedbackAlignment(Rule):
         return StepResult(loss.detach(), logits.detach(), signals if record else None)
 
     def state_dict(self):
-        return {"projections": self.projections, "generator": self.generator.get_state()}
+        return {"projections": self.projections, "generator": self.generator.get_state(),
+                "matched_examples": self.matched_examples}
 
     def load_state_dict(self, state):
         like = next(self.model.parameters())
         self.projections = (None if state["projections"] is None
                             else [d.to(like) for d in state["projections"]])
         self.generator.set_state(state["generator"])
+        self.matched_examples = state.get("matched_examples", 0)  # (older checkpoints: none)
 
     def work(self, layer_macs, examples):
         # Projection e . D_l: K x units MACs per population.
         units = sum(d.shape[1] for d in self.projections or [])
         k = self.projections[0].shape[0] if self.projections else 0
-        return {**super().work(layer_macs, examples),
-                "feedback_propagation": k * units * examples}
+        out = {**super().work(layer_macs, examples),
+               "feedback_propagation": k * units * examples}
+        if self.matched_examples:
+            # projection_norm "gradient": one forward and the input-gradient products of
+            # backprop (every layer but the first) on the first batch, before training.
+            forward = sum(layer_macs.values())
+            first = self.layers[0][0]
+            out["gradient_matching"] = self.matched_examples * (2 * forward
+                                                                - layer_macs[first])
+        return out

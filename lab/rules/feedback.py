@@ -204,6 +204,13 @@ class BatchRandomSignSymmetry(UniformSignSymmetry):
     def magnitude(self, index, weight):
         return self._draw(index).abs()
 
+    def elementwise(self, examples):
+        # Beyond usf's sign and scale: a fresh normal draw, its scale and |.| per weight
+        # and step (a generator call is billed as one operation per element, as for
+        # node perturbation's noise).
+        drawn = 3 * self.steps * sum(b.numel() for b in self.feedback)
+        return {**super().elementwise(examples), "feedback_draw": drawn}
+
 
 @register
 class FixedRandomSignSymmetry(UniformSignSymmetry):

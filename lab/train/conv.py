@@ -247,14 +247,16 @@ def _train_epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
             life.baseline(float(out.loss))  # before any update: the divergence scale
         if cfg.grad_clip:
             run.rule.clip_gradients(cfg.grad_clip)
+        lr = run.optimizer.param_groups[0]["lr"]  # the rate this step uses
         run.optimizer.step()
         run.scheduler.step()
         # Accumulate on the device: no host sync per step.
         loss_sum += out.loss.double() * len(y)
         correct += (out.logits.argmax(1) == y).sum()
     n = len(run.data.train.y)
-    return {"train_loss": float(loss_sum) / n, "train_acc": int(correct) / n,
-            "lr": run.optimizer.param_groups[0]["lr"]}
+    # lr: the rate the epoch's last step used (as EP's rows record the rate of their
+    # step), not the scheduler's next value, which after the last step lies past the end.
+    return {"train_loss": float(loss_sum) / n, "train_acc": int(correct) / n, "lr": lr}
 
 
 def parts(run: Run) -> dict:

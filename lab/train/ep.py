@@ -535,7 +535,10 @@ def work_per_step(config: EPConfig, model: Transformer, K: int) -> dict:
     ep = {"block_forwards": L * (K + 1), "input_vjps": K * (L - 1), "param_backward_blocks": L,
           "readouts": tops + 1}
     ep["macs"] = (block * (ep["block_forwards"] + ep["input_vjps"] + 2 * L)
-                  + head * (2 * tops + 3))  # each top force: forward + input VJP
+                  + head * (2 * tops + 3))
+    # Head terms: each top force is a forward + an input VJP (2); the relaxed CE is a
+    # forward, the head's weight gradient and its input gradient (3): its input z_L is
+    # detached, but ln_f's own parameters, below the head, need the head's input VJP.
     bp = {"block_forwards": L, "readouts": 1, "macs": 3 * (block * L + head)}
     return {"ep": ep, "bp": bp, "ep_over_bp_macs": ep["macs"] / bp["macs"]}
 
