@@ -319,6 +319,11 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
                *finals, "error"]
     table = runs[columns].copy().reset_index(drop=True)
     table[count] = table[count].astype("Int64")  # missing runs have none
+    for column in finals:  # counts (ep_updates, skipped_steps, lifted) print as counts
+        values = pd.to_numeric(table[column], errors="coerce").dropna()
+        if len(values) and table[column].dtype.kind == "f" and (values % 1 == 0).all() \
+                and values.abs().max() < 2 ** 53 and not column.endswith(("acc", "loss")):
+            table[column] = table[column].astype("Int64")
     table["error"] = table["error"].map(lambda e: e.splitlines()[0][:60] if isinstance(e, str)
                                         else "")
     if "axis" in table.columns:

@@ -509,3 +509,18 @@ def test_a_dotted_key_and_its_whole_dict_together_are_refused():
             collect_params(pairs, None)
     assert collect_params([["rule_params.a", "1"], ["rule_params.b", "2"]], None) == {
         "rule_params.a": 1, "rule_params.b": 2}
+
+
+def test_runs_table_prints_counts_as_counts(tmp_path, capsys):
+    for name, updates, acc in (("a", 60, 1.0), ("b", 58, 0.5)):
+        record = records.new_record(run_id=name, kind="notebook", config={"x": 1})
+        record.update(status="complete", final={"ep_updates": updates, "val_acc": acc,
+                                                "val_loss": 2.0, "ratio": 0.25})
+        records.save_run(tmp_path / name, record)
+    table, _ = runs_table(tmp_path)
+    assert str(table["ep_updates"].dtype) == "Int64" and table["ep_updates"].tolist() == [60, 58]
+    # Accuracies and losses stay numbers with decimals even where they happen to be whole.
+    assert table["val_acc"].dtype.kind == table["val_loss"].dtype.kind == "f"
+    assert cli_main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert " 60 " in out and "60.0000" not in out and "1.0000" in out

@@ -384,14 +384,18 @@ def train_step(run: Run, step: int) -> dict:
     return row
 
 
+def _fraction(direction: torch.Tensor) -> float:
+    return int(direction.sum()) / len(direction)  # exact, as the conv trainer's fractions
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
     """Main BCE and accuracy on every validation example (the later part of the series)."""
     batch = run.data.validation()
     logits = run.main(run.encoder(batch.x.to(run.device)))
     loss = F.binary_cross_entropy_with_logits(logits, batch.direction)
-    acc = ((logits > 0).float() == batch.direction).float().mean()
-    return {"val_loss": float(loss), "val_acc": float(acc)}
+    hits = ((logits > 0).float() == batch.direction).float()
+    return {"val_loss": float(loss), "val_acc": _fraction(hits)}
 
 
 @torch.no_grad()
@@ -453,7 +457,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
         final = {}
         if life.status == "running":
             final = {**evaluate(run),
-                     "val_up_fraction": float(run.data.validation().direction.mean()),
+                     "val_up_fraction": _fraction(run.data.validation().direction),
                      "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
         # The lifecycle adds train_wall_s: the whole run's, summed over its sessions.
         work = {"optimizer_steps": len(life.rows_logged),
