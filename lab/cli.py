@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -41,17 +42,27 @@ class ParameterFileError(ConfigError):
     """A ``-f`` parameter file that cannot be used."""
 
 
+_NULL = re.compile(r"^(?:null|Null|NULL|~)$")
+_NON_FINITE = ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity", "nan")
+
+
 def parse_value(text: str):
-    """A CLI literal -> int, float, bool, None, list/dict (YAML) or str."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
+    """A CLI literal -> int, float, bool, None, list/dict or str, read as a parameter
+    file reads it (YAML 1.2: ``010`` is ten, ``1e-3`` a float, ``2026-11-30`` a string).
+
+    What YAML would turn into nothing stays the text: ``-p x ""`` is the empty string and
+    ``-p x '#tag'`` is ``'#tag'`` (not a comment); only null or ``~`` is None. ``inf`` and
+    ``nan`` (any case) are floats, as Python reads them.
+    """
+    if text.strip().lower() in _NON_FINITE:
+        return float(text)
     try:
-        return load_yaml(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
+    if value is None and not _NULL.match(text.strip()):
+        return text
+    return value
 
 
 def _read_parameter_file(path: str) -> dict:
@@ -338,7 +349,8 @@ def _runs(args) -> int:
 
     try:
         table, unreadable = runs_table(args.target)
-    except (RecordError, ProtocolError, FileNotFoundError) as exc:
+    except (RecordError, ProtocolError, FileNotFoundError, ConfigError) as exc:
+        # (ConfigError: a protocol edited to a bad value, found comparing its runs)
         return _error(exc)
     if table.empty and not unreadable:
         print(f"no runs under {args.target}")

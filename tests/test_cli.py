@@ -4,6 +4,7 @@ kernels die with the `lab` process."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -340,10 +341,33 @@ def test_yaml_files_read_1e_minus_3_as_a_float(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("lr: 1e-3\nweight_decay: 5E-4\nlist: [1e-3, 2.5e+2, 1_000]\nname: x1e3\n")
     assert collect_params(None, [str(path)]) == {"lr": 0.001, "weight_decay": 0.0005,
-                                                 "list": [0.001, 250.0, 1000], "name": "x1e3"}
+                                                 "list": [0.001, 250.0, "1_000"],
+                                                 "name": "x1e3"}  # YAML 1.2: no "_" in ints
     assert load_yaml("a: 1e3") == {"a": 1000.0} and isinstance(load_yaml("a: 1e3")["a"], float)
     import yaml  # PyYAML's own safe loader is left as it is
     assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}
+
+
+def test_yaml_numbers_and_dates_follow_yaml_1_2(tmp_path):
+    # YAML 1.1 (PyYAML's) read 010 as eight, 1:30 as ninety and 2026-11-30 as a date that
+    # JSON cannot hold; a file and -p must read a value alike.
+    from lab.cli import collect_params, parse_value
+    from lab.config import load_yaml
+
+    text = "a: 010\nb: 1:30\nc: 2026-11-30\nd: 0o17\ne: 0x1F\nf: -7\ng: 0b101\nh: 12:30:00"
+    want = {"a": 10, "b": "1:30", "c": "2026-11-30", "d": 15, "e": 31, "f": -7, "g": "0b101",
+            "h": "12:30:00"}
+    assert load_yaml(text) == want
+    (tmp_path / "p.yaml").write_text(text)
+    assert collect_params([[k, str(v)] for k, v in load_yaml(text.replace(": ", ": '")
+                                                               .replace("\n", "'\n") + "'")
+                           .items()], None) == want
+    assert collect_params(None, [str(tmp_path / "p.yaml")]) == want
+    assert type(load_yaml("a: 010")["a"]) is int and type(load_yaml("a: 1.")["a"]) is float
+    # What YAML would read as nothing stays the text given; only null and ~ are None.
+    assert parse_value("") == "" and parse_value("#cache") == "#cache"
+    assert parse_value("null") is None and parse_value("~") is None
+    assert math.isinf(parse_value("inf")) and math.isnan(parse_value("nan"))
 
 
 def test_yaml_booleans_are_true_and_false_only():
@@ -524,3 +548,18 @@ def test_runs_table_prints_counts_as_counts(tmp_path, capsys):
     assert cli_main(["runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert " 60 " in out and "60.0000" not in out and "1.0000" in out
+
+
+def test_lab_runs_of_a_protocol_edited_to_a_bad_value_is_one_line(tmp_path, capsys):
+    # Comparing the recorded runs with the protocol resolves its parameters: a bad value
+    # found there is the same one-line error as `lab sweep` gives, not a traceback.
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "notebook": str(notebook), "out": "runs",
+                                    "fixed": {"lr": -1}, "grid": {"seed": [0]}}))
+    record = records.new_record(run_id="seed-0", kind="conv", config={"seed": 0})
+    record["status"] = "complete"
+    records.save_run(tmp_path / "runs" / "seed-0", record)
+    assert cli_main(["runs", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConvConfig.lr=-1 is out of range") and "Traceback" not in err
