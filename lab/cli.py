@@ -71,25 +71,34 @@ def _read_parameter_file(path: str) -> dict:
 
 
 def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> dict:
-    """-f files in order, then -p pairs. Dotted keys (``a.b``) are kept as they
-    are: :func:`lab.notebook.apply_params` sets them inside their dict parameter."""
+    """-f files in order, then -p pairs; a later layer wins over an earlier one. Dotted
+    keys (``a.b``) are kept as they are: :func:`lab.notebook.apply_params` sets them
+    inside their dict parameter, after the whole dicts, so a later dotted key wins over
+    an earlier whole ``a``; a later whole ``a`` drops the earlier layers' ``a.*`` keys.
+    Within one layer (one file, or the -p pairs) a key given twice, or a dict given
+    whole and by dotted keys, is refused."""
     params: dict = {}
-    for path in files or []:
-        params.update(_read_parameter_file(path))
+    layers = [(f"in {path}", _read_parameter_file(path)) for path in files or []]
     given: dict = {}
     for key, value in pairs or []:
         if key in given:  # the last one would win without a word
             raise ConfigError(f"-p {key} is given twice ({given[key]!r} and {value!r}); give "
                               "each parameter once")
         given[key] = value
-        params[key] = parse_value(value)
-    for key in given:
-        # `-p a '{b: 1}' -p a.b 2`: a.b given twice, once inside a's dict
-        parent = next((p for p in given if key.startswith(p + ".")), None)
-        if parent is not None:
-            raise ConfigError(f"-p {key} sets a key inside -p {parent}, which is given whole "
-                              f"too ({given[parent]!r}); give either the whole {parent} or "
-                              "its dotted keys")
+    layers.append(("as -p", {key: parse_value(value) for key, value in given.items()}))
+    for where, layer in layers:
+        for key in layer:
+            # `-p a '{b: 1}' -p a.b 2`: a.b given twice, once inside a's dict
+            parent = next((p for p in layer if key.startswith(p + ".")), None)
+            if parent is not None:
+                shown = given.get(parent, layer[parent])
+                raise ConfigError(f"{key} (given {where}) sets a key inside {parent}, which "
+                                  f"is given whole there too ({shown!r}); give either the "
+                                  f"whole {parent} or its dotted keys")
+        for key, value in layer.items():
+            for old in [k for k in params if k.startswith(key + ".")]:
+                del params[old]  # a later whole dict replaces the earlier leaves
+            params[key] = value
     return params
 
 
@@ -425,7 +434,9 @@ def _params_args(parser) -> None:
     parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                         help="a parameter (value parsed as YAML; a dotted key sets one key "
                              "inside a dict parameter); repeatable")
-    parser.add_argument("-f", "--file", action="append", help="YAML file of parameters")
+    parser.add_argument("-f", "--file", action="append",
+                        help="YAML file of parameters; repeatable, a later file and then -p "
+                             "win over an earlier one")
     parser.add_argument("--force", action="store_true",
                         help="replace a run already in --out (moved aside, never deleted)")
 

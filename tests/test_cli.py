@@ -527,12 +527,38 @@ def test_a_dotted_key_and_its_whole_dict_together_are_refused():
 
     for pairs in ([["rule_params", "{traffic_ratio: 2}"], ["rule_params.traffic_ratio", "3"]],
                   [["rule_params.traffic_ratio", "3"], ["rule_params", "{traffic_ratio: 2}"]]):
-        with pytest.raises(ConfigError, match=r"^-p rule_params.traffic_ratio sets a key inside "
-                                              r"-p rule_params, which is given whole too "
-                                              r"\('\{traffic_ratio: 2\}'\); give either"):
+        with pytest.raises(ConfigError, match=r"^rule_params.traffic_ratio \(given as -p\) sets "
+                                              r"a key inside rule_params, which is given whole "
+                                              r"there too \('\{traffic_ratio: 2\}'\); give "
+                                              r"either"):
             collect_params(pairs, None)
     assert collect_params([["rule_params.a", "1"], ["rule_params.b", "2"]], None) == {
         "rule_params.a": 1, "rule_params.b": 2}
+
+
+def test_a_later_layer_wins_over_a_files_dotted_or_whole_dict(tmp_path):
+    # -p comes after -f: a whole dict given later replaces the file's dotted leaves (it
+    # was dropped without a word, the file's leaf applied last); a later dotted key
+    # still wins over an earlier whole dict. One file holding both is refused.
+    from lab.cli import collect_params
+    from lab.notebook import apply_params
+
+    dotted, whole, both = (tmp_path / n for n in ("dotted.yaml", "whole.yaml", "both.yaml"))
+    dotted.write_text("rule: fa\nrule_params.feedback_scale: 2.0\n")
+    whole.write_text("rule_params: {feedback_scale: 2.0, feedback_seed: 4}\n")
+    both.write_text("rule_params: {feedback_scale: 2.0}\nrule_params.feedback_seed: 4\n")
+    params = collect_params([["rule_params", "{feedback_scale: 0.5}"]], [str(dotted)])
+    assert params == {"rule": "fa", "rule_params": {"feedback_scale": 0.5}}
+    assert apply_params({}, params)["rule_params"] == {"feedback_scale": 0.5}
+    params = collect_params([["rule_params.feedback_scale", "0.5"]], [str(whole)])
+    assert apply_params({}, params)["rule_params"] == {"feedback_scale": 0.5,
+                                                       "feedback_seed": 4}
+    params = collect_params(None, [str(dotted), str(whole)])  # the later file, whole
+    assert params == {"rule": "fa", "rule_params": {"feedback_scale": 2.0, "feedback_seed": 4}}
+    with pytest.raises(ConfigError, match=rf"^rule_params.feedback_seed \(given in {both}\) "
+                                          r"sets a key inside rule_params, which is given "
+                                          r"whole there too \(\{'feedback_scale': 2.0\}\)"):
+        collect_params(None, [str(both)])
 
 
 def test_runs_table_prints_counts_as_counts(tmp_path, capsys):
