@@ -166,15 +166,22 @@ def mean_lines(frame: pd.DataFrame, ylabel: str) -> Figure:
     return fig
 
 
-def compute_bill(table: pd.DataFrame, runs_dir) -> pd.DataFrame:
-    """Per rule: MACs per training example by component (mean over seeds), and total."""
-    _check_table(table, "compute_bill", ["run_id", "rule"])
+def compute_bill(table: pd.DataFrame, runs_dir, group_keys=("rule",)) -> pd.DataFrame:
+    """Per group (default: per rule), MACs per training example by component (mean over
+    seeds), and total. With several ``group_keys`` the index has one level per key."""
+    group_keys = list(group_keys)
+    _check_table(table, "compute_bill", ["run_id", *group_keys])
     rows = []
-    for run_id, rule in zip(table["run_id"], table["rule"]):
-        work = records.load_record(f"{runs_dir}/{run_id}")["work"]
+    for run in table[["run_id", *group_keys]].itertuples(index=False):
+        work = records.load_record(f"{runs_dir}/{run[0]}")["work"]
         examples = max(1, work["examples"])
-        rows.append({"rule": rule, **{k: v / examples for k, v in work["macs"].items()}})
-    frame = pd.DataFrame(rows).fillna(0.0).groupby("rule", sort=True).mean()
+        rows.append({**dict(zip(group_keys, run[1:])),
+                     **{k: v / examples for k, v in work["macs"].items()}})
+    frame = pd.DataFrame(rows)
+    components = [c for c in frame.columns if c not in group_keys]
+    # A rule without a component (no feedback updates) spends 0 MACs on it.
+    frame[components] = frame[components].fillna(0.0)
+    frame = frame.groupby(group_keys, sort=True, dropna=False).mean()
     frame["total"] = frame.sum(axis=1)
     return frame
 
@@ -185,19 +192,41 @@ def bill_bars(bill: pd.DataFrame) -> Figure:
     ax = fig.subplots()
     parts = bill.drop(columns="total")
     bottom = pd.Series(0.0, index=parts.index)
+    labels = [_label(parts.index.names, point) for point in parts.index]
     for component in parts.columns:
-        ax.bar(parts.index, parts[component] / 1e6, bottom=bottom / 1e6, label=component)
+        ax.bar(labels, parts[component] / 1e6, bottom=bottom / 1e6, label=component)
         bottom += parts[component]
     ax.set_ylabel("MMACs per training example")
     ax.legend(fontsize="small", ncol=2)
     return fig
 
 
-def _last_epoch_mean(data, table: pd.DataFrame, metric: str) -> pd.Series:
-    """Per rule, the mean over seeds of ``metric`` at each run's own last epoch (its
-    declared row count). A rule none of whose runs logged ``metric`` is left out (NaN
-    in :func:`rules_table`: no feedback tensors); a run that logged it but not at its
-    last epoch is a ValueError, never an earlier epoch's value in its place."""
+def _label(keys, point) -> str:
+    """``kp`` for a rule alone; ``kp, weight_decay=0.1`` beside other grid keys."""
+    point = point if isinstance(point, tuple) else (point,)
+    parts = [str(v) if k == "rule" else f"{k}={v}" for k, v in zip(keys, point)]
+    return ", ".join(parts)
+
+
+def label_grid_points(table: pd.DataFrame, group_keys: list[str]) -> pd.DataFrame:
+    """The table with its ``rule`` column naming each grid point (``kp, weight_decay=0.1``)
+    when the grid has keys besides rule and seed, so the figures and the bill, which
+    draw one bar or panel per ``rule``, show each grid point apart instead of pooling
+    them; with rule and seed only, the table as it is."""
+    _check_table(table, "label_grid_points", ["rule", *group_keys])
+    keys = ["rule"] + [k for k in group_keys if k != "rule"]
+    if keys == ["rule"]:
+        return table
+    points = table[keys].itertuples(index=False, name=None)
+    return table.assign(rule=[_label(keys, point) for point in points])
+
+
+def _last_epoch_mean(data, table: pd.DataFrame, metric: str, keys=("rule",)) -> pd.Series:
+    """Per group (``keys``), the mean over seeds of ``metric`` at each run's own last
+    epoch (its declared row count). A group none of whose runs logged ``metric`` is
+    left out (NaN in :func:`rules_table`: no feedback tensors); a run that logged it
+    but not at its last epoch is a ValueError, never an earlier epoch's value in its
+    place."""
     m = data.metrics
     rows = m[(m["axis"] == "epoch") & (m["metric"] == metric)
              & m["run_id"].isin(set(table["run_id"]))]
@@ -209,28 +238,48 @@ def _last_epoch_mean(data, table: pd.DataFrame, metric: str) -> pd.Series:
         raise ValueError(f"{metric!r} is missing at the last epoch of run(s) "
                          f"{', '.join(f'{r} (epoch {last.get(r)})' for r in gaps)}; "
                          "an earlier epoch's value is not the last epoch's")
-    rows = at_last.merge(table[["run_id", "rule"]], on="run_id")
-    return rows.groupby("rule")["value"].mean()
+    keys = list(keys)
+    rows = at_last.merge(table[["run_id", *keys]], on="run_id")
+    return rows.groupby(keys, dropna=False)["value"].mean()
 
 
 def rules_table(data) -> pd.DataFrame:
-    """The README's table: per rule, test accuracy (mean, std over seeds, in %), its gap
-    to bp in points, alignment and feedback cosine at each run's last epoch (means over
-    seeds; feedback_cos is NaN for a rule without feedback tensors), and
-    MACs per training example as a multiple of one forward pass. Refuses incomplete
-    data (:func:`check_rules_complete`): a mean over the runs that happen to exist
-    is not the protocol's result."""
+    """The README's table: per grid point, test accuracy (mean, std over seeds, in %),
+    its gap to bp in points, alignment and feedback cosine at each run's last epoch
+    (means over seeds; feedback_cos is NaN for a rule without feedback tensors), and
+    MACs per training example as a multiple of one forward pass.
+
+    A grid point is every grid key but the seed (``data.group_keys``): with rule and
+    seed only, one row per rule (index ``rule``); a grid of rule x weight_decay has
+    one row per (rule, weight_decay) (index with both levels), never a mean over
+    different decays. ``vs_bp`` compares with bp at the same other keys; where the
+    grid has no bp run at those keys (or no bp at all) it is NaN. Refuses incomplete
+    data (:func:`check_rules_complete`): a mean over the runs that happen to exist is
+    not the protocol's result."""
+    if "rule" not in data.group_keys:
+        raise ValueError(f"rules_table: the protocol {data.protocol.name!r} has no rule in its "
+                         f"grid (grid keys: {', '.join(data.group_keys) or 'seed only'}); a "
+                         "rule comparison needs a grid over rule, e.g. rule: [bp, fa, kp]")
     check_rules_complete(data)
+    keys = ["rule"] + [k for k in data.group_keys if k != "rule"]
+    others = keys[1:]
     table = data.table()
-    acc = table.groupby("rule")["final.test_acc"].agg(["mean", "std"]) * 100
-    bill = compute_bill(table, data.runs_dir)
-    forward = bill["forward"]
+    acc = table.groupby(keys, sort=True, dropna=False)["final.test_acc"].agg(["mean", "std"])
+    acc = acc * 100
+    # bp's mean at each row's other keys (NaN where the grid has no bp there).
+    bp = acc["mean"].reset_index()
+    bp = bp[bp["rule"] == "bp"].drop(columns="rule").rename(columns={"mean": "bp"})
+    rows = acc["mean"].reset_index()
+    rows = rows.merge(bp, on=others, how="left") if others else rows.assign(
+        bp=bp["bp"].iloc[0] if len(bp) else float("nan"))
+    bp_mean = pd.Series(rows["bp"].to_numpy(), index=acc.index)
+    bill = compute_bill(table, data.runs_dir, keys)
     out = pd.DataFrame({
         "test_acc_mean": acc["mean"], "test_acc_std": acc["std"],
-        "vs_bp": acc["mean"] - acc["mean"].get("bp", float("nan")),
-        "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos"),
-        "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos"),
-        "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos"),
-        "macs_x_forward": bill["total"] / forward,
+        "vs_bp": acc["mean"] - bp_mean,
+        "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos", keys),
+        "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos", keys),
+        "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos", keys),
+        "macs_x_forward": bill["total"] / bill["forward"],
     })
     return out.sort_values("test_acc_mean", ascending=False)

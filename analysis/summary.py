@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 
 from .checks import names
 
 _ALL = "all runs"
+_STATS = ("mean", "std", "n")
+# A std that fixed decimals would show with fewer than two significant digits (0.0000 for
+# 3.6e-5) is shown with this many instead.
+_STD_SIGNIFICANT = 3
 
 
 def _numeric(table: pd.DataFrame, metric: str) -> pd.Series:
@@ -24,20 +31,25 @@ def _numeric(table: pd.DataFrame, metric: str) -> pd.Series:
 
 
 def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) -> pd.DataFrame:
-    """One row per group: per metric ``<metric>/mean``, ``<metric>/std`` (sample std,
-    ddof=1) and ``<metric>/n``, then ``n`` (runs in the group).
+    """One row per group: the group keys, then per metric ``<metric>/mean``,
+    ``<metric>/std`` (sample std, ddof=1) and ``<metric>/n``, then ``n`` (runs in the
+    group). The group keys are remembered in ``summary.attrs["group_keys"]`` (for
+    :func:`format_mean_std`).
 
     A NaN (a run without that final metric, or one that recorded NaN) is left out of
     its metric's mean and std, and ``<metric>/n`` counts the values that did enter:
     a mean over 1 of 2 seeds says so (``<metric>/n`` 1, ``n`` 2; the std of one value
-    is NaN). :func:`format_mean_std` marks such a metric. An infinite value is kept
-    (the mean is then infinite). The analysis notebooks refuse NaN before this
+    is NaN). An infinite value is kept and counted: the mean is then infinite and
+    the std NaN (a spread around infinity is undefined); +inf and -inf in one group
+    make the mean NaN as well (undefined). :func:`format_mean_std` says which of these
+    happened. The analysis notebooks refuse NaN and infinities before this
     (``check_complete``), so there every ``<metric>/n`` equals ``n``.
 
     ``table`` has one row per run (``ProtocolRuns.table()``); with no group keys
     (a grid over seeds only) every run is one group, labelled "all runs".
     ``group_keys`` and ``metrics`` are lists of column names; a metric column must
-    hold numbers.
+    hold numbers. A group key may not be named like a column the summary makes
+    (``n``, ``<metric>/mean``, ...).
     """
     group_keys = names(group_keys, "group_keys", "column names")
     metrics = names(metrics, "metrics", "column names")
@@ -45,6 +57,13 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     if missing:
         raise KeyError(f"summarize: column(s) {', '.join(missing)} not in the table; "
                        f"columns: {', '.join(map(str, table.columns))}")
+    made = ["n"] + [f"{metric}/{stat}" for metric in metrics for stat in _STATS]
+    clashes = [key for key in group_keys if key in made]
+    if clashes:
+        raise ValueError(f"summarize: group key(s) {', '.join(map(repr, clashes))} have the "
+                         "name of a column the summary makes (n, <metric>/mean, <metric>/std, "
+                         "<metric>/n); rename them first, e.g. table.rename(columns="
+                         f"{{{clashes[0]!r}: {clashes[0] + '_'!r}}})")
     keys = group_keys or ["group"]
     frame = table.assign(**{metric: _numeric(table, metric) for metric in metrics})
     if not group_keys:
@@ -53,22 +72,61 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     columns = {}
     for metric in metrics:
         values = grouped[metric]
-        columns[f"{metric}/mean"] = values.mean()
-        columns[f"{metric}/std"] = values.std(ddof=1)
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, documented above
+            columns[f"{metric}/mean"] = values.mean()
+            columns[f"{metric}/std"] = values.std(ddof=1)
         columns[f"{metric}/n"] = values.count()
     out = pd.DataFrame(columns, index=grouped.size().index)
     out["n"] = grouped.size()
-    return out.reset_index()
+    out = out.reset_index()
+    out.attrs["group_keys"] = list(keys)
+    return out
+
+
+def _key_columns(summary: pd.DataFrame) -> list[str]:
+    """The group-key columns: as summarize remembered them, else every column that is
+    not one of its statistics (a summary rebuilt from records has no attrs)."""
+    remembered = summary.attrs.get("group_keys")
+    if remembered is not None and all(key in summary.columns for key in remembered):
+        return list(remembered)
+    metrics = {c[: -len("/mean")] for c in summary.columns
+               if c.endswith("/mean") and f"{c[: -len('/mean')]}/std" in summary.columns}
+    made = {"n"} | {f"{metric}/{stat}" for metric in metrics for stat in _STATS}
+    return [c for c in summary.columns if c not in made]
+
+
+def _std_text(std: float, digits: int) -> str:
+    if std != 0 and math.isfinite(std) and abs(std) < 10.0 ** (1 - digits):
+        return f"{std:.{_STD_SIGNIFICANT}g}"  # 3.6e-05, not 0.0000
+    return f"{std:.{digits}f}"
+
+
+def _cell(mean: float, std: float, count: int, digits: int) -> str:
+    if count == 0:
+        return "no value"
+    if math.isnan(mean):  # values were there (count > 0): only inf - inf makes this
+        return "undefined: +inf and -inf among the values"
+    if math.isinf(mean):
+        return f"{mean:.{digits}f}" + (" (no std: a value is infinite)" if count > 1 else "")
+    if math.isnan(std):
+        return f"{mean:.{digits}f}" + (" (no std: a value is not finite)" if count > 1 else "")
+    return f"{mean:.{digits}f} ± {_std_text(std, digits)}"
 
 
 def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     """The summary as text, ``0.9123 ± 0.0040`` per metric: a table to read, not compute on.
 
-    A metric with fewer values than runs in its group (NaN left out, see
-    :func:`summarize`) reads ``0.2170 (1 of 2 runs)``.
+    The group-key columns come first, as :func:`summarize` made them (any name). The
+    mean has ``digits`` decimals; so has the std, unless that would show it with fewer
+    than two significant digits: then it has 3 significant figures (``0.9998 ± 3.6e-05``,
+    not ``± 0.0000``). A metric with fewer values than runs in its group (NaN left out,
+    see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``; an infinite value reads
+    ``inf (no std: a value is infinite)``, +inf and -inf in one group
+    ``undefined: +inf and -inf among the values``.
     """
-    means = [c for c in summary.columns if c.endswith("/mean")]
-    keys = [c for c in summary.columns if "/" not in c and c != "n"]
+    means = [c for c in summary.columns if c.endswith("/mean")
+             and f"{c[: -len('/mean')]}/std" in summary.columns]
+    keys = _key_columns(summary)
     out = summary[keys].copy()
     for column in means:
         metric = column[: -len("/mean")]
@@ -76,7 +134,7 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
         counts = summary.get(f"{metric}/n", summary["n"])
         cells = []
         for m, s, k, n in zip(summary[column], std, counts, summary["n"]):
-            cell = f"{m:.{digits}f} ± {s:.{digits}f}" if pd.notna(s) else f"{m:.{digits}f}"
+            cell = _cell(float(m), float(s), int(k), digits)
             cells.append(cell if k == n else f"{cell} ({k} of {n} runs)")
         out[metric] = cells
     out["n"] = summary["n"]

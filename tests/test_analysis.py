@@ -516,3 +516,121 @@ def test_package_docstring_names_the_row_store_records_use():
 
     assert "parquet" not in analysis.__doc__
     assert f"rows/<axis>/<start>-<end>{records.PART_SUFFIX}" in analysis.__doc__
+
+
+# ---------------------------------------------------------------------------
+# format_mean_std: small stds, infinities, any group-key name; CfC's lift_step
+
+
+EP_FIXTURE = ROOT / "tests" / "fixtures" / "ep"
+CFC_FIXTURE = ROOT / "tests" / "fixtures" / "cfc-aux"
+
+
+def test_a_small_std_is_shown_with_significant_figures_not_as_zero():
+    # The EP report's ratio (EP's validation loss over its twin's) varies by ~1e-5 over seeds.
+    data = load_protocol_runs(EP_FIXTURE / "protocol.yaml")
+    table = data.table()
+    table["final.ratio"] = table["final.val_loss"] / table["final.bp_val_loss"]
+    text = format_mean_std(summarize(table, data.group_keys, ["final.ratio", "final.val_loss"]))
+    for beta, cell in zip(text["beta"], text["final.ratio"]):
+        finals = [records.load_record(EP_FIXTURE / "runs" / f"beta-{beta}_seed-{s}")["final"]
+                  for s in (0, 1)]
+        ratios = [f["val_loss"] / f["bp_val_loss"] for f in finals]
+        want = statistics.stdev(ratios)
+        assert 1e-6 < want < 1e-4  # the case: fixed decimals would print 0.0000
+        mean, std = cell.split(" ± ")
+        assert mean == f"{statistics.mean(ratios):.4f}"
+        assert std == f"{want:.3g}" and float(std) == pytest.approx(want, rel=5e-3)
+    # A std that four decimals show with two or more significant digits keeps them.
+    assert all(len(c.split(" ± ")[1]) == 6 for c in text["final.val_loss"])
+    exact = pd.DataFrame({"g": ["a", "a"], "v": [0.5, 0.5]})
+    assert format_mean_std(summarize(exact, ["g"], ["v"])).loc[0, "v"] == "0.5000 ± 0.0000"
+
+
+def test_infinities_in_a_group_are_named_not_shown_as_a_plain_number():
+    inf = math.inf
+    table = pd.DataFrame({"run_id": list("abcdef"), "rule": ["x", "x", "y", "y", "z", "z"],
+                          "final.m": [inf, 1.0, inf, -inf, -inf, math.nan]})
+    summary = summarize(table, ["rule"], ["final.m"])
+    # Kept and counted: the mean is infinite (x), undefined for +inf and -inf (y).
+    assert list(summary["final.m/n"]) == [2, 2, 1] and list(summary["n"]) == [2, 2, 2]
+    assert summary.loc[0, "final.m/mean"] == inf and math.isnan(summary.loc[0, "final.m/std"])
+    assert math.isnan(summary.loc[1, "final.m/mean"]) and math.isnan(summary.loc[1, "final.m/std"])
+    assert summary.loc[2, "final.m/mean"] == -inf
+    assert list(format_mean_std(summary)["final.m"]) == [
+        "inf (no std: a value is infinite)",
+        "undefined: +inf and -inf among the values",
+        "-inf (1 of 2 runs)"]
+
+
+def test_group_keys_of_any_name_stay_in_the_formatted_table():
+    table = pd.DataFrame({"run_id": list("abcd"), "rule_params/x": ["p", "p", "q", "q"],
+                          "final.m": [1.0, 2.0, 3.0, 5.0]})
+    summary = summarize(table, ["rule_params/x"], ["final.m"])
+    assert summary.attrs["group_keys"] == ["rule_params/x"]
+    text = format_mean_std(summary)
+    assert list(text.columns) == ["rule_params/x", "final.m", "n"]
+    assert list(text["rule_params/x"]) == ["p", "q"]
+    assert list(text["final.m"]) == ["1.5000 ± 0.7071", "4.0000 ± 1.4142"]
+    # Sorted, or rebuilt from recorded values (no attrs): the keys are still there.
+    assert list(format_mean_std(summary.sort_values("final.m/mean", ascending=False))
+                ["rule_params/x"]) == ["q", "p"]
+    rebuilt = pd.DataFrame(summary.to_dict("records"))
+    assert not rebuilt.attrs
+    assert format_mean_std(rebuilt).equals(text)
+    # A key named like a column the summary makes cannot stay beside it: refused by name.
+    table = table.rename(columns={"rule_params/x": "n"})
+    with pytest.raises(ValueError, match=r"^summarize: group key\(s\) 'n' have the name of a "
+                                         r"column the summary makes \(n, <metric>/mean, "
+                                         r"<metric>/std, <metric>/n\); rename them first, e.g. "
+                                         r"table.rename\(columns=\{'n': 'n_'\}\)$"):
+        summarize(table, ["n"], ["final.m"])
+    with pytest.raises(ValueError, match=r"group key\(s\) 'final.m/std' have the name"):
+        summarize(table.rename(columns={"n": "final.m/std"}), ["final.m/std"], ["final.m"])
+
+
+@pytest.fixture
+def cfc_unlifted(tmp_path):
+    """The CfC fixture's protocol without the lift arm: no run of it lifted."""
+    import yaml
+
+    target = tmp_path / "cfc"
+    shutil.copytree(CFC_FIXTURE, target)
+    path = target / "protocol.yaml"
+    protocol = yaml.safe_load(path.read_text())
+    protocol["notebook"] = str(ROOT / "notebooks" / "03-train-cfc-aux.ipynb")
+    protocol["grid"]["aux"] = ["never", "none"]
+    path.write_text(yaml.safe_dump(protocol))
+    return path
+
+
+def test_cfc_lift_step_none_is_kept_when_no_run_lifted(cfc_unlifted, tmp_path):
+    from analysis.cfc import lift_steps, lift_table
+
+    data = load_protocol_runs(cfc_unlifted)
+    data.check_complete()
+    table = data.table()
+    ids = data.expected_ids
+    assert len(ids) == 4 and all(records.load_record(cfc_unlifted.parent / "runs" / i)
+                                 ["final"]["lift_step"] is None for i in ids)
+    assert table["final.lift_step"].isna().all()
+    lifts = lift_table(table)
+    assert list(lifts.columns) == ["aux", "seed", "final.lift_step", "final.val_acc",
+                                   "final.val_up_fraction"]
+    assert list(lifts["final.lift_step"]) == [None] * 4
+    assert lift_steps(table) == dict.fromkeys(ids)
+    # With the lift arm: its recorded steps, as ints, beside the others' None.
+    full = load_protocol_runs(CFC_FIXTURE / "protocol.yaml").table()
+    want = {i: records.load_record(CFC_FIXTURE / "runs" / i)["final"]["lift_step"]
+            for i in full["run_id"]}
+    assert lift_steps(full) == want and sum(v is not None for v in want.values()) == 2
+    assert list(lift_table(full)["final.lift_step"]) == [want[f"aux-{a}_seed-{s}"] for a in
+                                                        ("lift", "never", "none") for s in (0, 1)]
+    with pytest.raises(KeyError, match=r"^\"lift_table: column 'final.lift_step' not in the "
+                                       r"table \(columns: run_id, aux"):
+        lift_table(table.drop(columns="final.lift_step"))
+    # The report records each run's None.
+    result = execute(ROOT / "notebooks" / "30-cfc-summary.ipynb", tmp_path / "report",
+                     {"protocol": str(cfc_unlifted)}, record=False)
+    assert result.status == "complete", result.error
+    assert result.values["lift_steps"] == dict.fromkeys(ids)

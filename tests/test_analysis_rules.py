@@ -199,3 +199,88 @@ def test_rule_figures_and_bill_refuse_an_empty_table(runs):
         compare.compute_bill(table.drop(columns="rule"), root)
     with pytest.raises(KeyError, match=r"accuracy_bars: column\(s\) final.nope not in the table"):
         compare.accuracy_bars(table, "final.nope")
+
+
+def _rule_x_decay_data(drop_bp_at=None):
+    """The rules fixture seen as a grid of rule x weight_decay with one seed: each rule's
+    seed-0 run stands for weight_decay 0.0 and its seed-1 run for 0.1 (the records are
+    the same; only the grid points they stand for change)."""
+    from lab.sweep import RunSpec
+
+    data = _rules_data()
+    specs = []
+    for spec in data.specs:
+        decay = 0.1 if spec.grid["seed"] == 1 else 0.0
+        if spec.grid["rule"] == "bp" and decay == drop_bp_at:
+            continue
+        specs.append(RunSpec(spec.run_id, spec.params,
+                             {"rule": spec.grid["rule"], "seed": 0, "weight_decay": decay}))
+    data.specs = specs
+    return data
+
+
+def test_rules_table_keeps_each_grid_point_apart():
+    # The oracle: one run per (rule, weight_decay), read from its own record.
+    data = _rule_x_decay_data()
+    assert data.group_keys == ["rule", "weight_decay"]
+    got = compare.rules_table(data)
+    assert got.index.names == ["rule", "weight_decay"] and len(got) == 6
+    runs = RULES_FIXTURE.parent / "runs"
+    acc, update = {}, {}
+    for rule in ("bp", "kp", "dfa"):
+        for seed, decay in ((0, 0.0), (1, 0.1)):
+            record = records.load_record(runs / f"rule-{rule}_seed-{seed}")
+            acc[rule, decay] = 100 * record["final"]["test_acc"]
+            update[rule, decay] = record["trajectory"][-1]["alignment"]["mean_update_cos"]
+            work = record["work"]
+            macs = {k: v / work["examples"] for k, v in work["macs"].items()}
+            row = got.loc[(rule, decay)]
+            assert row["test_acc_mean"] == pytest.approx(acc[rule, decay], abs=1e-9)
+            assert math.isnan(row["test_acc_std"])  # one seed per grid point
+            assert row["update_cos"] == pytest.approx(update[rule, decay], abs=1e-12)
+            assert row["macs_x_forward"] == pytest.approx(
+                sum(macs.values()) / macs["forward"], rel=1e-12)
+    # vs bp at the same weight decay, not at a pool of decays.
+    assert acc["bp", 0.0] != acc["bp", 0.1]
+    for (rule, decay), value in acc.items():
+        assert got.loc[(rule, decay), "vs_bp"] == pytest.approx(value - acc["bp", decay],
+                                                                abs=1e-9)
+    # No bp run at weight_decay 0.1: vs_bp is NaN there, and only there.
+    partial = compare.rules_table(_rule_x_decay_data(drop_bp_at=0.1))
+    assert len(partial) == 5
+    assert partial["vs_bp"].isna().sum() == 2
+    assert math.isnan(partial.loc[("kp", 0.1), "vs_bp"])
+    assert partial.loc[("kp", 0.0), "vs_bp"] == pytest.approx(acc["kp", 0.0] - acc["bp", 0.0],
+                                                              abs=1e-9)
+
+
+def test_figures_and_bill_show_each_grid_point_apart():
+    data = _rule_x_decay_data()
+    table = data.table()
+    points = compare.label_grid_points(table, data.group_keys)
+    labels = {f"{rule}, weight_decay={decay}" for rule in ("bp", "kp", "dfa")
+              for decay in (0.0, 0.1)}
+    assert set(points["rule"]) == labels
+    fig = compare.accuracy_bars(points)
+    assert sorted(t.get_text() for t in fig.axes[0].get_xticklabels()) == sorted(labels)
+    bill = compare.compute_bill(points, data.runs_dir)
+    by_key = compare.compute_bill(table, data.runs_dir, data.group_keys)
+    assert list(by_key.index.names) == ["rule", "weight_decay"]
+    for (rule, decay), total in by_key["total"].items():
+        assert bill.loc[f"{rule}, weight_decay={decay}", "total"] == total
+    ticks = compare.bill_bars(by_key).axes[0].get_xticklabels()
+    assert sorted(t.get_text() for t in ticks) == sorted(labels)
+    # With rule and seed only, the table is left as it is.
+    plain = _rules_data()
+    assert list(compare.label_grid_points(plain.table(), plain.group_keys)["rule"]) == list(
+        plain.table()["rule"])
+
+
+def test_rules_table_refuses_a_grid_without_rule():
+    from lab.sweep import RunSpec
+
+    data = _rules_data()
+    data.specs = [RunSpec(s.run_id, s.params, {"seed": s.grid["seed"]}) for s in data.specs]
+    with pytest.raises(ValueError, match=r"^rules_table: the protocol 'rules-fixture' has no "
+                                         r"rule in its grid \(grid keys: seed only\)"):
+        compare.rules_table(data)
