@@ -194,6 +194,9 @@ class Lifecycle:
             run_id=self.run_id or (self.out.name if self.out else "in-memory"), kind=self.kind,
             config=self.config_dict, device=self.device)
         self.record["expect"] = self.expect.as_dict()
+        extras = runlock.notebook_params(self.out) if self.out is not None else None
+        if extras is not None:
+            self.record["notebook_params"] = extras
         if self.data is not None:
             self.record["data"] = copy.deepcopy(self.data)
         # Training wall time: earlier sessions' share (from the checkpoint) plus this

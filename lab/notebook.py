@@ -49,7 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -291,6 +291,13 @@ class Resolved:
     params: dict  # what papermill injects: the keys given, dotted ones merged into their dict
     config: dict  # the run's resolved config, as its record stores it
     full: bool  # config holds every field (built by the notebook's config class)
+    # The notebook's own parameters beyond its config class (defaults filled in), as the
+    # trainer's record keeps them under "notebook_params": part of what the run was asked.
+    extras: dict = field(default_factory=dict)
+
+    def asked(self) -> dict:
+        """Config and the notebook's own parameters: what ``records.run_params`` reads back."""
+        return {**self.extras, **self.config}
 
 
 def resolve_parameters(notebook, params: Mapping | None = None,
@@ -330,7 +337,8 @@ def resolve_parameters(notebook, params: Mapping | None = None,
         raise ParameterError(f"{err}{context(str(err))}") from None
     except (TypeError, ValueError) as err:  # a check in the class's own __post_init__
         raise ParameterError(f"{cls.__name__}: {err}{context(str(err))}") from None
-    return Resolved(given, _as_stored(as_dict(config)), full=True)
+    extras = {k: v for k, v in merged.items() if k not in fields}
+    return Resolved(given, _as_stored(as_dict(config)), full=True, extras=_as_stored(extras))
 
 
 _ABSENT = object()
@@ -663,7 +671,11 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
     else:
-        diffs = config_differences(state.record["config"], resolved.config, resolved.full)
+        # A record from before notebooks' own parameters were kept holds config only.
+        then, now = ((records.run_params(state.record), resolved.asked())
+                     if "notebook_params" in state.record or not resolved.extras
+                     else (state.record["config"], resolved.config))
+        diffs = config_differences(then, now, resolved.full)
         status = f"{_article(state.status)} {state.status}"
         reason, problem = "stale", (f"{status} run with other parameters "
                                     f"({'; '.join(diffs)})" if diffs else None)
@@ -761,7 +773,8 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
         decision, state = decide(out, resolved, "never", locked=True)
         if decision == "done":
             return _skipped(run_id, out, state)
-        env = {**(env or {}), runlock.ENV: str(out)}  # the trainer's hold() is then a no-op
+        env = {**(env or {}), runlock.ENV: str(out),  # the trainer's hold() is then a no-op
+               runlock.PARAMS_ENV: json.dumps(resolved.extras) if resolved.extras else None}
         result = _execute(notebook, out, injected, resolved, run_id, threads, env, moved,
                           timeout, log_output, record=True)
     return result

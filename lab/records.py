@@ -393,6 +393,9 @@ def _check_fields(record: dict, path) -> None:
         value = record[key]
         if not isinstance(value, kind) or (kind is int and not _is_int(value)):
             _fail(path, key, _describe(value), allowed)
+    if not isinstance(record.get("notebook_params", {}), dict):  # optional (run_params)
+        _fail(path, "notebook_params", _describe(record["notebook_params"]),
+              "a dict of the notebook's own parameters, or absent")
     for key in ("run_id", "kind"):
         if not record[key]:
             _fail(path, key, "an empty string", _FIELD_TYPES[key][1])
@@ -784,6 +787,13 @@ def main_axis(record: dict) -> str | None:
     return next((axis for axis in AXES if counts.get(axis)), None)
 
 
+def run_params(record: dict) -> dict:
+    """What a run was asked: its config, and the parameters its notebook declares beyond
+    the config class (``notebook_params``, when the run was made by a notebook that has
+    any), in one mapping (config fields win a name clash, which resolving refuses)."""
+    return {**record.get("notebook_params", {}), **record["config"]}
+
+
 def _run_row(record: dict, path: Path) -> dict:
     axis = main_axis(record)
     row = {
@@ -797,7 +807,7 @@ def _run_row(record: dict, path: Path) -> dict:
         "error": record["error"],
         "expect": record["expect"],
     }
-    row.update(config_columns(record["config"]))
+    row.update(config_columns(run_params(record)))
     row.update({f"final.{name}": leaf for name, leaf in _numeric_leaves(record["final"])})
     return row
 

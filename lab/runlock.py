@@ -20,6 +20,7 @@ single source of a run's status) and its lock, without writing anything;
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .config import ConfigError
 LOCK_FILE = ".lock"
 PID_FILE = ".lock.pid"
 ENV = "LAB_RUN_LOCK"
+PARAMS_ENV = "LAB_NOTEBOOK_PARAMS"
 
 
 class RunLocked(RuntimeError):
@@ -123,6 +125,20 @@ def holder(run_dir) -> int | None:
         return None
     lock.release()
     return None
+
+
+def notebook_params(run_dir) -> dict | None:
+    """The parameters a parent notebook run declares beyond its config class
+    (``LAB_NOTEBOOK_PARAMS``, JSON), for the run directory it holds for us; else None.
+
+    A notebook may declare parameters of its own (a note, a plot setting); they are part
+    of what the run was asked, so the trainer's record keeps them (``notebook_params``)
+    and a rerun with other values is not "the same parameters".
+    """
+    if not held_by_parent(run_dir):
+        return None
+    text = os.environ.get(PARAMS_ENV)
+    return json.loads(text) if text else None
 
 
 def held_by_parent(run_dir) -> bool:

@@ -426,3 +426,47 @@ def test_a_failed_write_does_not_hide_the_error_that_ended_the_run(tmp_path, mon
     monkeypatch.setattr(lab.notebook, "execute", denied)
     assert cli_main(["run", str(ECHO), "--out", str(tmp_path / "r2")]) == 1
     assert "error: PermissionError: [Errno 13] Permission denied" in capsys.readouterr().err
+
+
+def _with_own_parameters(path: Path) -> Path:
+    """The training notebook with parameters of its own beyond ConvConfig (as a
+    researcher extends it): a note and a list of tags."""
+    nb = nbformat.read(TRAIN, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source += '\nnote = "default note"\ntags = []\n'
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_a_notebooks_own_parameters_are_part_of_the_run(tiny, tmp_path, capsys):
+    # They were dropped from the run's identity: a rerun with another note said
+    # "already complete with these parameters", and the analysis saw the protocol's
+    # note "(absent)" in the record and called the runs stale.
+    notebook = _with_own_parameters(tmp_path / "mine.ipynb")
+    params = {**tiny, "epochs": 1, "threads": 1, "note": "hello", "tags": ["a"]}
+    run = tmp_path / "run"
+    assert execute(notebook, run, params).status == "complete"
+    record = records.load_record(run)
+    assert record["notebook_params"] == {"note": "hello", "tags": ["a"]}
+    assert "note" not in record["config"] and record["kind"] == "conv"
+    assert records.run_params(record)["note"] == "hello"
+    table = records.load_runs(run)
+    assert table["config.note"].tolist() == ["hello"] and table["config.tags"].tolist() == [("a",)]
+    assert execute(notebook, run, params).skipped
+    with pytest.raises(RunConflict, match=r"other parameters \(note: 'hello' there vs "
+                                          r"'something else' now\)"):
+        execute(notebook, run, {**params, "note": "something else"})
+    # A default is a value too: leaving the note out asks for "default note".
+    with pytest.raises(RunConflict, match=r"note: 'hello' there vs 'default note' now"):
+        execute(notebook, run, {k: v for k, v in params.items() if k != "note"})
+    # The trainer called directly (no notebook holding the run) records none, even with
+    # the variable set in its environment for another run directory.
+    from lab.train import train_conv
+
+    os.environ[runlock.PARAMS_ENV] = '{"note": "elsewhere"}'
+    try:
+        direct = train_conv(ConvConfig(**{**tiny, "epochs": 1}), tmp_path / "direct")
+    finally:
+        del os.environ[runlock.PARAMS_ENV]
+    assert "notebook_params" not in direct
+    assert "notebook_params" not in records.load_record(tmp_path / "direct")
