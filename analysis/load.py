@@ -75,6 +75,9 @@ def _flat(point: dict, prefix: str = "") -> dict:
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
             out.update(_flat(value, f"{name}."))
+        elif isinstance(value, dict):
+            # {} (the rule's defaults, a natural baseline arm): a dict cannot be a group key.
+            out[name] = "{}"
         else:
             # Tuples, so a list-valued grid key can be grouped by.
             out[name] = tuple(value) if isinstance(value, list) else value

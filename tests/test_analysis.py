@@ -287,6 +287,29 @@ def test_a_dotted_grid_key_runs_and_summaries_group_by_it(tmp_path):
     assert by_scale == {2: [2, 4], 3: [3, 6]}  # scaled = opts.scale * x, recorded by the kernel
 
 
+def test_an_empty_dict_grid_value_is_a_group_of_its_own(tmp_path):
+    # rule_params: [{}, {scale: 0.5}]: {} was kept as a dict, which groupby cannot hash.
+    from analysis.load import ProtocolRuns
+    from lab.sweep import Protocol, expand
+
+    protocol = Protocol(name="t", notebook="nb", out=str(tmp_path), grid={
+        "rule_params": [{}, {"scale": 0.5}], "seed": [0, 1]})
+    specs = expand(protocol)
+    data = ProtocolRuns(protocol, specs, tmp_path, pd.DataFrame(
+        columns=list(records.RUN_COLUMNS)), records.tidy_metrics({"run_id": "none"}))
+    assert data.group_keys == ["rule_params", "rule_params.scale"]
+    table = data.table()
+    acc = {s.run_id: (0.1 if s.grid["rule_params"] else 0.5) + 0.2 * s.grid["seed"]
+           for s in specs}
+    table["final.acc"] = table["run_id"].map(acc)
+    summary = summarize(table, data.group_keys, ["final.acc"])
+    assert len(summary) == 2 and list(summary["final.acc/n"]) == [2, 2]
+    defaults = summary[summary["rule_params"] == "{}"]
+    assert defaults["final.acc/mean"].item() == pytest.approx(0.6, abs=1e-12)
+    assert summary[summary["rule_params.scale"] == 0.5]["final.acc/mean"].item() == \
+        pytest.approx(0.2, abs=1e-12)
+
+
 def test_dict_grid_values_are_flattened_to_columns(tmp_path):
     from analysis.load import ProtocolRuns
     from lab.sweep import Protocol, expand
