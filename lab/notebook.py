@@ -176,14 +176,34 @@ def declared_parameters(notebook) -> dict[str, dict]:
     return dict(papermill.inspect_notebook(str(notebook)))
 
 
+class Expression(str):
+    """A parameters-cell default that is not a literal (``epochs = 1 + 1``): its source.
+
+    lab reads defaults without running the notebook, so it cannot know the value; a run
+    that would use one is refused (:func:`resolve_parameters`) instead of taking the
+    source text for the value.
+    """
+
+
 def _literal_defaults(declared: Mapping[str, dict]) -> dict[str, Any]:
     defaults = {}
     for name, info in declared.items():
         try:
             defaults[name] = ast.literal_eval(info["default"])
         except (ValueError, SyntaxError):
-            defaults[name] = info["default"]  # an expression; keep its source
+            defaults[name] = Expression(info["default"])
     return defaults
+
+
+def _refuse_expressions(notebook, merged: Mapping) -> None:
+    computed = {k: v for k, v in merged.items() if isinstance(v, Expression)}
+    if computed:
+        shown = "; ".join(f"{k} = {v}" for k, v in computed.items())
+        raise ParameterError(
+            f"the parameters cell of {notebook} computes its default for {shown}; lab reads "
+            "the defaults without running the notebook, so each must be a literal (a number, "
+            "string, list, dict, True/False/None): write the value, or give the parameter "
+            "with -p / in the protocol")
 
 
 def notebook_defaults(notebook) -> dict[str, Any]:
@@ -314,6 +334,7 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     check_parameters(notebook, params, spec.declared)
     defaults = {k: v for k, v in spec.defaults.items() if k not in RESERVED}
     merged = apply_params(defaults, params)
+    _refuse_expressions(notebook, merged)
     given = {root: merged[root] for root in dict.fromkeys(map(_root, params))}
     cls = spec.config_class
     if cls is None:

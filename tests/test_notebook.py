@@ -470,3 +470,30 @@ def test_a_notebooks_own_parameters_are_part_of_the_run(tiny, tmp_path, capsys):
         del os.environ[runlock.PARAMS_ENV]
     assert "notebook_params" not in direct
     assert "notebook_params" not in records.load_record(tmp_path / "direct")
+
+
+def test_a_computed_default_is_refused_naming_the_cell(tmp_path, no_kernel):
+    # `epochs = 1 + 1` was read as the string '1 + 1' ("must be int, got '1 + 1' (str)").
+    nb = nbformat.read(TRAIN, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source = re.sub(r"(?m)^epochs = .*$", "epochs = 1 + 1", cell.source)
+    assert "epochs = 1 + 1" in cell.source
+    path = tmp_path / "computed.ipynb"
+    nbformat.write(nb, str(path))
+    with pytest.raises(ParameterError, match=rf"the parameters cell of {re.escape(str(path))} "
+                                             r"computes its default for epochs = 1 \+ 1; .*must "
+                                             r"be a literal"):
+        resolve_parameters(path, {"n_train": 256})
+    # Given explicitly, the default is not used: fine.
+    assert resolve_parameters(path, {"epochs": 2}).config["epochs"] == 2
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("notebook", ["01-train-conv", "02-train-ep-transformer",
+                                      "03-train-cfc-aux"])
+def test_a_device_the_machine_lacks_is_refused_before_a_kernel(notebook, tmp_path, no_kernel):
+    path = ROOT / "notebooks" / f"{notebook}.ipynb"
+    with pytest.raises(ConfigError, match=r"device='cuda' was asked for but torch sees no CUDA "
+                                          r"device; use device='cpu' or 'auto'"):
+        execute(path, tmp_path / "run", {"device": "cuda"})
+    assert not (tmp_path / "run").exists()

@@ -152,7 +152,8 @@ class CfCAuxConfig:
     def preflight(self) -> None:
         """What the price series decides, before a run starts (``lab run``, a sweep's
         pre-check, ``train_cfc_aux``): a readable CSV with the column, long enough for the
-        window, sequence and horizons in both splits."""
+        window, sequence and horizons in both splits; and a device this machine has."""
+        resolve_device(self.device)
         try:
             prices, name = load_prices(self)
             MultiHorizonLoader(prices, window=self.window, seq_len=self.seq_len,

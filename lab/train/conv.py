@@ -122,7 +122,9 @@ class ConvConfig:
     def preflight(self) -> None:
         """What the data decides, checked before a run starts (``lab run``, ``lab train``
         and a sweep's pre-check call it): n_train, the examples the rule's preparation
-        draws and the alignment probe must fit in the training set. ConfigError if not."""
+        draws and the alignment probe must fit in the training set; and a device this
+        machine has. ConfigError if not."""
+        resolve_device(self.device)
         try:
             available = train_size(self.dataset, data_dir=self.data_dir or None,
                                    val_fraction=self.val_fraction, n_train=self.n_train)

@@ -150,7 +150,9 @@ class EPConfig:
 
     def preflight(self) -> None:
         """What the text decides, before a run starts (``lab run``, a sweep's pre-check,
-        ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits."""
+        ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits; and a
+        device this machine has."""
+        resolve_device(self.device)
         try:
             load_corpus(self.text_path, seq_len=self.seq_len, val_fraction=VAL_FRACTION)
         except (TextError, OSError) as err:
