@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--notebook", help="analysis notebook (default: the protocol's report; "
                         "another than the protocol's writes <protocol>.<notebook>.html)")
     report.add_argument("--runs", help="runs directory (default: the protocol's out)")
-    report.add_argument("--out", default="reports", help="reports directory")
+    report.add_argument("--out", default="reports",
+                        help="reports directory (default: reports/ in the current directory)")
     report.set_defaults(func=_report)
     args = parser.parse_args(argv)
     try:
