@@ -243,10 +243,33 @@ def _last_epoch_mean(data, table: pd.DataFrame, metric: str, keys=("rule",)) -> 
     return rows.groupby(keys, dropna=False)["value"].mean()
 
 
+# The ResNet's read-out layer (lab.models.resnet: ``fc``). Under every rule here it gets
+# the exact output error, so its update's cosine with backprop's is 1 by construction and
+# lifts a mean over all layers by about 1/(layers) for every rule alike.
+READOUT = "fc"
+
+
+def _last_epoch_hidden_update(data, table: pd.DataFrame, keys) -> pd.Series:
+    """Per group, the mean over seeds of each run's mean update cosine over its layers
+    but the read-out, at its last epoch (as ``mean_update_cos`` is over all layers)."""
+    m = data.metrics
+    prefix = "alignment/update_cos/"
+    rows = m[(m["axis"] == "epoch") & m["metric"].str.startswith(prefix)
+             & (m["metric"] != prefix + READOUT) & m["run_id"].isin(set(table["run_id"]))]
+    last = {run_id: _last_epoch(expect) for run_id, expect in
+            zip(data.runs["run_id"], data.runs["expect"])}
+    per_run = rows[rows["index"] == rows["run_id"].map(last)].groupby("run_id")["value"].mean()
+    keys = list(keys)
+    frame = table[["run_id", *keys]].merge(per_run.rename("value").reset_index(), on="run_id")
+    return frame.groupby(keys, dropna=False)["value"].mean()
+
+
 def rules_table(data) -> pd.DataFrame:
     """The README's table: per grid point, test accuracy (mean, std over seeds, in %),
     its gap to bp in points, alignment and feedback cosine at each run's last epoch
-    (means over seeds; feedback_cos is NaN for a rule without feedback tensors), and
+    (means over seeds; feedback_cos is NaN for a rule without feedback tensors;
+    ``update_cos`` averages every layer, ``update_cos_hidden`` every layer but the
+    read-out, whose cosine is 1 under every rule here), and
     MACs per training example as a multiple of one forward pass.
 
     A grid point is every grid key but the seed (``data.group_keys``): with rule and
@@ -278,6 +301,7 @@ def rules_table(data) -> pd.DataFrame:
         "test_acc_mean": acc["mean"], "test_acc_std": acc["std"],
         "vs_bp": acc["mean"] - bp_mean,
         "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos", keys),
+        "update_cos_hidden": _last_epoch_hidden_update(data, table, keys),
         "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos", keys),
         "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos", keys),
         "macs_x_forward": bill["total"] / bill["forward"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,12 @@ def test_rules_table_is_each_runs_last_epoch_from_the_records():
                             ("teaching_cos", "mean_teaching_cos")):
             want = (last[0]["alignment"][key] + last[1]["alignment"][key]) / 2
             assert got.loc[rule, column] == pytest.approx(want, abs=1e-12)
+        # Without the read-out: each run's mean over its other layers, then over seeds.
+        hidden = [statistics.mean(v for k, v in row["alignment"]["update_cos"].items()
+                                  if k != "fc") for row in last]
+        assert "fc" in last[0]["alignment"]["update_cos"] and len(hidden) == 2
+        assert got.loc[rule, "update_cos_hidden"] == pytest.approx(statistics.mean(hidden),
+                                                                   abs=1e-12)
     feedback = [records.load_record(runs / f"rule-kp_seed-{s}")["trajectory"][-1]
                 ["rule"]["feedback"]["mean_cos"] for s in (0, 1)]
     assert got.loc["kp", "feedback_cos"] == pytest.approx(sum(feedback) / 2, abs=1e-12)
