@@ -36,6 +36,7 @@ import copy
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,9 @@ def check_start(config, cls: type, out_dir, *, caller: str) -> None:
                         f"({type(config).__name__}); build one with {cls.__name__}(...) or "
                         f"lab.config.from_dict({cls.__name__}, values)")
     if out_dir is not None:
+        if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
+            raise TypeError(f"{caller} out_dir={out_dir!r}: give the run directory as a path "
+                            "(str or pathlib.Path), or None to train in memory")
         runlock.check_run_dir(Path(out_dir).resolve())
     config.preflight()
 
@@ -270,6 +274,9 @@ class Lifecycle:
         # A run's id is fixed when it starts: a rerun or resume keeps it whatever run_id it
         # is given (a renamed run directory's notebook passes the new name), so the record
         # returned is the record on disk.
+        if self.run_id is not None and self.run_id != saved:
+            warnings.warn(f"run_id={self.run_id!r} is not used: {self.out} holds run {saved!r}, "
+                          "and a run keeps the id it started with", stacklevel=2)
         self.record["run_id"] = saved
 
     def _old_record(self) -> dict | None:
