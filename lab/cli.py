@@ -389,7 +389,9 @@ def _report(args) -> int:
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "
                                 "`report: <path>` to it or pass --notebook")
-        if not args.runs:  # (another runs directory is the caller's to vouch for)
+        # The protocol's own runs are checked however they are named; another runs
+        # directory (a copy, a fixture made elsewhere) is the caller's to vouch for.
+        if not args.runs or Path(args.runs).resolve() == Path(protocol.out).resolve():
             stale = stale_runs(protocol)
             if stale:
                 raise NotebookError(
@@ -470,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("protocol")
     report.add_argument("--notebook", help="analysis notebook (default: the protocol's report; "
                         "another than the protocol's writes <protocol>.<notebook>.html)")
-    report.add_argument("--runs", help="runs directory (default: the protocol's out)")
+    report.add_argument("--runs", help="runs directory (default: the protocol's out, whose "
+                        "runs must be what the protocol asks now; another directory is "
+                        "not checked for stale runs)")
     report.add_argument("--out", default="reports",
                         help="reports directory (default: reports/ in the current directory)")
     report.set_defaults(func=_report)

@@ -46,6 +46,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -343,8 +344,10 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     dotted = [key for key in params if "." in key]
 
     def context(message: str) -> str:
-        # Name the dotted keys only where the error is about the dict they set.
-        hit = [key for key in dotted if _root(key) in message]
+        # Name a dotted key only where the error is about the leaf it set (an error about
+        # another leaf of the same dict, e.g. a default, is not that key's doing).
+        hit = [key for key in dotted if re.search(rf"\b{re.escape(key.split('.')[-1])}\b",
+                                                  message)]
         return f" (given by {', '.join(hit)})" if hit else ""
 
     try:

@@ -589,3 +589,21 @@ def test_lab_runs_of_a_protocol_edited_to_a_bad_value_is_one_line(tmp_path, caps
     assert cli_main(["runs", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ConvConfig.lr=-1 is out of range") and "Traceback" not in err
+
+
+def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, capsys):
+    # `--runs <the protocol's out>` skipped the stale check and reported old runs, exit 0.
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "p", "notebook": str(root / "notebooks" / "01-train-conv.ipynb"),
+        "out": "runs", "report": str(root / "notebooks" / "10-summary.ipynb"),
+        "grid": {"seed": [0]}}))
+    record = records.new_record(run_id="seed-0", kind="conv", config={"seed": 0})
+    record["status"] = "complete"
+    records.save_run(tmp_path / "runs" / "seed-0", record)
+    for extra in ([], ["--runs", str(tmp_path / "runs")], ["--runs", str(tmp_path / "runs/.")]):
+        assert cli_main(["report", str(path), "--out", str(tmp_path / "rep"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "1 run(s) of" in err and "are not what the protocol asks now" in err
+    assert not (tmp_path / "rep").exists()

@@ -264,6 +264,12 @@ def test_a_dotted_key_is_not_blamed_for_another_fields_error(tmp_path, no_kernel
     with pytest.raises(ConfigError, match=r"feedback_scale=-1.0 is out of range.* \(given by "
                                           r"rule_params.feedback_scale\)$"):
         execute(TRAIN, tmp_path / "run", {"rule": "kp", "rule_params.feedback_scale": -1.0})
+    # Another leaf of the same dict (here a default the data refuses) is not its doing.
+    with pytest.raises(ConfigError) as err:
+        execute(TRAIN, tmp_path / "run", {"rule": "kp_traffic", "n_train": 256,
+                                          "rule_params.traffic_rule": "matched"})
+    assert "traffic_calibration_examples=512" in str(err.value)
+    assert "given by" not in str(err.value)
 
 
 def test_apply_params_sets_one_key_inside_a_dict():
