@@ -15,8 +15,9 @@ holding a run of other parameters is refused with the differing fields
 
 Exit status: 0 when everything asked for completed, 1 when a run failed (or
 diverged, for train/run), was held by another process or could not be read,
-2 for bad input (unknown parameter or bad value, bad protocol or parameter
-file, a run directory holding other parameters, an unwritable directory).
+or (sweep) was left alone as stale, 2 for bad input (unknown parameter or bad
+value, bad protocol or parameter file, a run directory holding other
+parameters given to train/run, an unwritable directory).
 """
 
 from __future__ import annotations
