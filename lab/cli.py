@@ -301,7 +301,8 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     if target.suffix in (".yaml", ".yml"):
         from .sweep import expand, load_protocol, mark_stale, stale_runs
 
-        protocol = load_protocol(target, configs=False)  # listing runs made, not making them
+        # Validated as a sweep would (a protocol the sweep refuses is not listed as "missing")
+        protocol = load_protocol(target)
         specs = expand(protocol)
         expected = [spec.run_id for spec in specs]
         root = Path(protocol.out)

@@ -588,7 +588,8 @@ def test_lab_runs_of_a_protocol_edited_to_a_bad_value_is_one_line(tmp_path, caps
     records.save_run(tmp_path / "runs" / "seed-0", record)
     assert cli_main(["runs", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ConvConfig.lr=-1 is out of range") and "Traceback" not in err
+    assert err.startswith("error: protocol ") and "Traceback" not in err
+    assert "ConvConfig.lr=-1 is out of range; allowed: (0.0, inf) (run seed-0)" in err
 
 
 def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, capsys):
@@ -607,3 +608,14 @@ def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, 
         err = capsys.readouterr().err
         assert "1 run(s) of" in err and "are not what the protocol asks now" in err
     assert not (tmp_path / "rep").exists()
+
+
+def test_lab_runs_refuses_a_protocol_the_sweep_refuses(tmp_path, capsys):
+    # With no runs yet, a bad value made every run read "missing" (exit 0).
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "notebook": str(notebook), "out": "runs",
+                                    "fixed": {"nesterov": "yes"}, "grid": {"seed": [0]}}))
+    assert cli_main(["runs", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "ConvConfig.nesterov must be bool, got 'yes'" in err and "missing" not in err
