@@ -11,6 +11,7 @@ import torch
 
 from lab.data import DataError
 from lab.data.prices import (
+    VAL_FRACTION_SLACK,
     MultiHorizonLoader,
     csv_prices,
     synthetic_prices,
@@ -216,10 +217,22 @@ def test_split_sizes_and_a_warning_when_the_clamp_moves_the_split():
                                   name="GOOG")
     assert [str(w.message) for w in caught] == [
         "GOOG: val_fraction=0.2 cannot be honoured with window=12, seq_len=12 and the largest "
-        "horizon 20 on 68 prices; the split was moved to give each side an example: 2 training "
-        "and 4 validation examples (validation fraction 0.667). Use a longer series or smaller "
-        "window / seq_len / horizons"]
+        "horizon 20 on 68 prices (the splits are 20 steps apart, and each needs an example): 2 "
+        "training and 4 validation examples (validation fraction 0.667). Use a longer series or "
+        "smaller window / seq_len / horizons"]
     assert data.split_sizes() == {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}
+
+
+def test_a_warning_when_the_gap_between_the_splits_moves_the_fraction():
+    # Not clamped, but the h_max steps left between the splits make 7 training and 5
+    # validation examples of 33 prices: a fraction of 0.417 against the 0.25 asked.
+    with pytest.warns(UserWarning, match=r"val_fraction=0.25 cannot be honoured .* 7 training "
+                                         r"and 5 validation examples \(validation fraction "
+                                         r"0.417\)"):
+        data = _loader(_walk()[:33])
+    sizes = data.split_sizes()
+    assert (sizes["n_train"], sizes["n_val"]) == (len(data.train_ends), len(data.val_ends))
+    assert abs(sizes["val_fraction"] - 0.25) > VAL_FRACTION_SLACK
 
 
 def test_no_warning_when_the_split_is_as_requested():

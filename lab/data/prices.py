@@ -175,6 +175,10 @@ class Batch:
     ends: torch.Tensor
 
 
+# How far the realised validation fraction may fall from the one asked before a warning.
+VAL_FRACTION_SLACK = 0.1
+
+
 class MultiHorizonLoader:
     """Examples over one price series, or several aligned ones (same dates, one per row of a
     (S, N) array) cut at the same time; see the module docstring for every definition.
@@ -229,17 +233,18 @@ class MultiHorizonLoader:
         self.val_ends = (offsets + torch.arange(cut, last + 1)).flatten()
         self.cut, self.length, self.n_series = cut, n, len(rows)
         self.val_fraction = val_fraction  # as requested; split_sizes() has the effective one
-        if cut != asked:
-            # On a short series the clamp that gives each split an example can move the split
-            # far from the request (GOOG at 0.2: 2 training and 4 validation examples): say so.
-            sizes = self.split_sizes()
+        sizes = self.split_sizes()
+        if cut != asked or abs(sizes["val_fraction"] - val_fraction) > VAL_FRACTION_SLACK:
+            # On a short series the clamp that gives each split an example, or the gap of
+            # h_max steps left between the splits, can move the split far from the request
+            # (GOOG at 0.2: 2 training and 4 validation examples): say so.
             warnings.warn(
                 f"{name}: val_fraction={val_fraction} cannot be honoured with window={window}, "
-                f"seq_len={seq_len} and the largest horizon {h_max} on {n} prices; the split "
-                f"was moved to give each side an example: {sizes['n_train']} training and "
-                f"{sizes['n_val']} validation examples (validation fraction "
-                f"{sizes['val_fraction']:.3f}). Use a longer series or smaller window / "
-                "seq_len / horizons", stacklevel=2)
+                f"seq_len={seq_len} and the largest horizon {h_max} on {n} prices (the "
+                f"splits are {h_max} steps apart, and each needs an example): "
+                f"{sizes['n_train']} training and {sizes['n_val']} validation examples "
+                f"(validation fraction {sizes['val_fraction']:.3f}). Use a longer series or "
+                "smaller window / seq_len / horizons", stacklevel=2)
         stack = [torch.from_numpy(np.concatenate(parts)) for parts in zip(*blocks)]
         self.sigma = stack[0]  # (S*N,)
         self.features = stack[1].float()  # (S*N, window)
