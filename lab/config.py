@@ -11,6 +11,7 @@ researcher reads them in a notebook traceback, far from this code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -298,17 +299,35 @@ def _hashable(value):
     return value
 
 
-def from_dict(cls, values: dict | None = None, **overrides):
-    """Build ``cls`` from a mapping, refusing keys it does not declare."""
-    merged = {**(values or {}), **overrides}
+def _refuse_unknown(cls, keys) -> None:
     known = field_names(cls)
-    unknown = sorted(set(merged) - set(known))
+    unknown = sorted(set(keys) - set(known))
     if unknown:
         raise ConfigError(
             f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}; "
             f"known fields: {', '.join(known) or '(none: it takes no parameters)'}"
         )
+
+
+def from_dict(cls, values: dict | None = None, **overrides):
+    """Build ``cls`` from a mapping, refusing keys it does not declare."""
+    merged = {**(values or {}), **overrides}
+    _refuse_unknown(cls, merged)
     return cls(**merged)
+
+
+def known_keywords(cls):
+    """Class decorator (above ``@dataclass``): ``Cls(bogus=1)`` is the ConfigError
+    :func:`from_dict` gives, listing the known fields, not Python's bare TypeError."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        _refuse_unknown(cls, kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def describe(cls) -> dict[str, dict]:

@@ -105,3 +105,15 @@ def test_numpy_numbers_are_stored_as_python_numbers():
 def test_numpy_bools_and_fractions_are_still_refused_for_ints(value, kind):
     with pytest.raises(ConfigError, match=rf"ConvConfig\.epochs must be int, got .*\({kind}"):
         ConvConfig(epochs=value)
+
+
+@pytest.mark.parametrize("name", ["ConvConfig", "EPConfig", "CfCAuxConfig"])
+def test_a_trainer_config_built_directly_names_an_unknown_key(name):
+    # Python's own "__init__() got an unexpected keyword argument" listed nothing.
+    import lab.train
+
+    cls = getattr(lab.train, name)
+    with pytest.raises(ConfigError, match=rf"^{name} has no field\(s\) 'bogus'; known fields: "
+                                          r".*\bseed\b"):
+        cls(bogus=1, seed=3)
+    assert cls(seed=3).seed == 3 and dataclasses.replace(cls(), seed=4).seed == 4

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, known_keywords, validate
 from ..data import DataError
 from ..data.identity import absolute, file_identity
 from ..data.prices import (
@@ -71,6 +71,7 @@ def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return numba_kernels.aux_add(dst, src)
 
 
+@known_keywords
 @dataclass(frozen=True)
 class CfCAuxConfig:
     """Everything one CfC-aux run depends on; ``asdict`` is stored in the record."""

@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, FrozenParams, bounded, choice, validate
+from ..config import (
+    SEED_MAX,
+    ConfigError,
+    FrozenParams,
+    bounded,
+    choice,
+    known_keywords,
+    validate,
+)
 from ..data import DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
@@ -42,6 +50,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
 
 
+@known_keywords
 @dataclass(frozen=True)
 class ConvConfig:
     """Everything one conv run depends on; ``asdict`` is stored in the record."""

@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, known_keywords, validate
 from ..data.identity import absolute
 from ..data.text import (
     TextError,
@@ -87,6 +87,7 @@ BETA_SCALE_FLOOR = 1 / 64
 SPECTRAL_ITERS = 200
 
 
+@known_keywords
 @dataclass(frozen=True)
 class EPConfig:
     """Everything one EP run depends on; ``asdict`` is stored in the record."""
