@@ -8,8 +8,8 @@ end, and test accuracy of kp and bp against the decay. Reads the runs of
 
 from __future__ import annotations
 
+import argparse
 import collections
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -20,15 +20,39 @@ import matplotlib.pyplot as plt  # noqa: E402
 from lab import records  # noqa: E402
 
 
+def _runs(root: Path) -> list[dict]:
+    """Every run under ``root``; SystemExit naming those that are not complete (a figure
+    of whatever happens to be finished would not be the study's)."""
+    runs = [records.load_record(run) for run in sorted(root.iterdir())
+            if (run / records.RECORD_FILE).exists()
+            and not records.MOVED_ASIDE.search(run.name)]
+    if not runs:
+        raise SystemExit(f"error: no runs under {root} (run `lab sweep protocols/wd-kp.yaml`)")
+    unfinished = [f"{r['run_id']} ({r['status']})" for r in runs if r["status"] != "complete"]
+    if unfinished:
+        raise SystemExit(f"error: {len(unfinished)} run(s) under {root} are not complete: "
+                         f"{', '.join(unfinished)}; finish them (`lab sweep`) first")
+    return runs
+
+
+def _title(runs: list[dict]) -> str:
+    """What the runs are, read from their configs (not what the protocol meant them to be)."""
+    def values(key):
+        return sorted({r["config"][key] for r in runs}, key=str)
+
+    seeds = collections.Counter((r["config"]["rule"], r["config"]["weight_decay"]) for r in runs)
+    per_point = sorted(set(seeds.values()))
+    return (f"{'/'.join(map(str, values('dataset')))}, ResNet-{'/'.join(map(str, values('depth')))}"
+            f" width {'/'.join(map(str, values('width')))}, "
+            f"{'/'.join(map(str, values('epochs')))} epochs, {'/'.join(values('optimizer'))} "
+            f"{'/'.join(values('schedule'))}; {'/'.join(map(str, per_point))} seed(s) per point")
+
+
 def main(root: Path, out: str) -> None:
-    runs = []
-    for run in sorted(root.iterdir()):
-        if (run / "record.json").exists():
-            rec = records.load_record(run)
-            if rec.get("status") == "complete":
-                runs.append(rec)
+    runs = _runs(root)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    colors = dict(zip([0.001, 0.003, 0.01, 0.03], ["#1b9e77", "#d95f02", "#7570b3", "#e7298a"]))
+    decays = sorted({r["config"]["weight_decay"] for r in runs})
+    colors = {w: plt.cm.viridis(i / max(1, len(decays) - 1)) for i, w in enumerate(decays)}
     for rec in runs:
         c = rec["config"]
         if c["rule"] != "kp":
@@ -66,11 +90,21 @@ def main(root: Path, out: str) -> None:
     axes[2].set(xscale="log", xlabel="weight decay", ylabel="test accuracy (%)")
     axes[2].axhline(98.5, color="gray", ls=":", lw=1)
     axes[2].legend()
-    fig.suptitle("MNIST-1D, 1-D ResNet-20, 60 epochs, SGD + Nesterov one-cycle; 2 seeds per point")
+    fig.suptitle(_title(runs))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print("wrote", out)
 
 
+def cli(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", type=Path, help="the runs of protocols/wd-kp.yaml (its out)")
+    parser.add_argument("out", help="the figure to write (.png)")
+    args = parser.parse_args(argv)
+    if not args.runs.is_dir():
+        parser.error(f"runs {args.runs}: no such directory of runs")
+    main(args.runs, args.out)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    cli()

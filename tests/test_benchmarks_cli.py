@@ -90,3 +90,21 @@ def test_bench_traffic_refuses_bad_options_up_front(traffic, capsys, argv, messa
 def test_bench_traffic_quick_honours_batch(traffic, argv, depth, batch):
     args = traffic.parse_args(argv)
     assert (args.depth, args.batch) == (depth, batch)
+
+
+def test_fig_wd_kp_refuses_a_missing_directory_and_unfinished_runs(tmp_path, capsys):
+    from lab import records
+
+    fig = _load("fig_wd_kp")
+    with pytest.raises(SystemExit) as exit_:
+        fig.cli([str(tmp_path / "nope"), str(tmp_path / "f.png")])
+    assert exit_.value.code == 2 and "no such directory of runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"no runs under"):
+        fig.cli([str(tmp_path), str(tmp_path / "f.png")])
+    for run_id, status in (("a", "complete"), ("b", "running")):
+        record = records.new_record(run_id=run_id, kind="conv", config={"rule": "kp"})
+        record["status"] = status
+        records.save_run(tmp_path / run_id, record)
+    with pytest.raises(SystemExit, match=r"1 run\(s\) under .* are not complete: b \(running\)"):
+        fig.cli([str(tmp_path), str(tmp_path / "f.png")])
+    assert not (tmp_path / "f.png").exists()
