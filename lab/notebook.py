@@ -379,6 +379,16 @@ def _leaf_keys(config: dict, prefix: str = "") -> dict:
     return out
 
 
+def asked_differences(record: Mapping, resolved: Resolved) -> list[str]:
+    """:func:`config_differences` between what a recorded run was asked (config and the
+    notebook's own parameters, ``records.run_params``) and what ``resolved`` asks now.
+    A record from before notebooks' own parameters were kept holds the config only:
+    then the config alone is compared."""
+    if "notebook_params" in record or not resolved.extras:
+        return config_differences(records.run_params(record), resolved.asked(), resolved.full)
+    return config_differences(record["config"], resolved.config, resolved.full)
+
+
 def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[str]:
     """``"field: <then> there vs <now> now"`` for each field that differs.
 
@@ -695,11 +705,7 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
     else:
-        # A record from before notebooks' own parameters were kept holds config only.
-        then, now = ((records.run_params(state.record), resolved.asked())
-                     if "notebook_params" in state.record or not resolved.extras
-                     else (state.record["config"], resolved.config))
-        diffs = config_differences(then, now, resolved.full)
+        diffs = asked_differences(state.record, resolved)
         status = f"{_article(state.status)} {state.status}"
         reason, problem = "stale", (f"{status} run with other parameters "
                                     f"({'; '.join(diffs)})" if diffs else None)
@@ -855,7 +861,8 @@ def render_html(executed_notebook, html_path) -> Path:
 
 __all__ = [
     "RECORD_MIME", "NotebookError", "NotebookSpec", "ParameterError", "Resolved",
-    "RunConflict", "RunResult", "apply_params", "check_parameters", "config_class",
+    "RunConflict", "RunResult", "apply_params", "asked_differences", "check_parameters",
+    "config_class",
     "config_differences", "config_from", "declared_parameters", "decide", "ensure_kernel",
     "execute",
     "failing_cell", "mark_failed", "notebook_defaults", "notebook_spec", "read_values",
