@@ -15,14 +15,22 @@ A protocol (``protocols/*.yaml``) names a notebook and a grid::
       seed: [0, 1]
 
 Relative paths are relative to the protocol file, so a protocol means the same
-from any working directory. Every ``fixed`` and ``grid`` key must be a
-parameter the notebook declares (for a dotted key, its first part);
+from any working directory; a blank ``notebook``, ``out`` or ``report`` (which
+would mean the working directory), an ``out`` that is or lies inside a file and
+a ``report`` that is a directory are refused at load. Every ``fixed`` and
+``grid`` key must be a parameter the notebook declares (for a dotted key, its
+first part);
 ``out_dir`` is the sweep's to set. When the notebook names its config class
 (``metadata["lab_config"]``), every run of the grid is built into it at load,
 so a bad value or an unknown dotted key is refused before any kernel starts.
 
+An override is applied over ``fixed``, so a fixed dotted key inside a dict an
+override replaces (it would beat the override's leaf) is refused, as is a fixed
+dotted key inside a grid key's dicts.
+
 :func:`expand` turns the grid into runs with stable, readable ids
-(``rule-kp_rule_params.traffic_rule-raw_seed-0``: sorted grid keys).
+(``rule-kp_rule_params.traffic_rule-raw_seed-0``: sorted grid keys; see
+:func:`run_id_for` for non-ASCII and long values).
 :func:`run_sweep` decides each run from its record.json, the single source of
 a run's status (:func:`lab.notebook.decide`): a run finished with the
 protocol's resolved config (defaults filled in, display-only fields aside) is
@@ -41,7 +49,11 @@ either way. Each run's kernel gets ``threads_per_run`` threads (OMP/MKL/Numba
 variables, and the notebook's ``threads`` parameter when it declares one), so
 runs do not oversubscribe the cores. The thread count is part of a run's
 config (sums may round differently), so a protocol meant to reproduce across
-machines sets ``threads_per_run`` rather than relying on the core count.
+machines sets ``threads_per_run`` rather than relying on the core count (or
+sets ``threads`` in ``fixed``/``grid``; both at once are refused). With
+``threads_per_run: 0`` and no ``threads``, a run already made keeps the count
+it was made with: a sweep with other workers, ``lab runs`` and ``lab report``
+all take it as given rather than calling the run stale.
 
 Dask starts local workers with ``spawn``: a script calling :func:`run_sweep`
 needs the ``if __name__ == "__main__":`` guard (the CLI has it).
@@ -51,12 +63,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
 import os
 import re
 import time
+import unicodedata
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -68,6 +82,8 @@ from .config import ConfigError, bounded, field_names, read_yaml_mapping, valida
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-")
+_KEY_CHARS = _ID_CHARS - {"=", ","} | {"_"}  # a dict key inside an id: a parameter name
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
 
 
@@ -123,6 +139,8 @@ class Protocol:
                                 "of every grid value; set it inside each grid value instead, or "
                                 "take the key out of the grid")
         self._check_overrides()
+        self._check_paths()
+        self._check_threads()
         from .notebook import RESERVED  # parameters a sweep sets itself
 
         reserved = sorted(set(RESERVED) & {k.split(".")[0] for k in [*self.grid, *self.fixed]})
@@ -154,6 +172,55 @@ class Protocol:
                 if clash:
                     raise ProtocolError(f"Protocol.overrides[{key!r}][{value!r}] sets grid "
                                         f"key(s) {', '.join(clash)}; override fixed ones only")
+                where = f"Protocol.overrides[{key!r}][{value!r}]"
+                inside = sorted(f"{p} (inside grid key {g})" for p in params for g in self.grid
+                                if p.startswith(g + "."))
+                if inside:
+                    raise ProtocolError(f"{where} sets {', '.join(inside)}, which would override "
+                                        "that leaf of every grid value; set it inside the grid "
+                                        "values instead, or take the key out of the grid")
+                # Dotted keys are applied after whole dicts, so a fixed leaf inside a dict the
+                # override replaces would beat the override, which is meant to win over `fixed`.
+                beaten = sorted(f"Protocol.fixed {f} beats {where} {p}" for f in self.fixed
+                                for p in params if "." not in p and f.startswith(p + "."))
+                if beaten:
+                    raise ProtocolError(
+                        f"{'; '.join(beaten)}: a dotted key is applied after a whole dict, so "
+                        "the override's value of that leaf would never apply; in the override, "
+                        "set the leaf as the same dotted key (it then wins), or in fixed, give "
+                        "the whole dict instead of the dotted key")
+
+    def _check_paths(self) -> None:
+        # An empty path would silently mean the current directory (the one `lab` is run
+        # from), so a protocol would mean something else from another directory.
+        for key, what in (("notebook", "the notebook each run executes"),
+                          ("out", "the directory that holds the runs, one directory each "
+                                  "(it need not exist yet)")):
+            if not getattr(self, key).strip():
+                raise ProtocolError(f"Protocol.{key}={getattr(self, key)!r} is blank; give "
+                                    f"{what}: a path relative to the protocol file, or absolute")
+        if self.report and not self.report.strip():  # ("" itself is the default: none)
+            raise ProtocolError(f"Protocol.report={self.report!r} is blank; give the analysis "
+                                "notebook `lab report` executes, or leave it out for none")
+
+    def _keys_setting(self, name: str) -> list[str]:
+        """Where the protocol sets parameter ``name``: fixed, grid and overrides entries."""
+        found = [f"Protocol.{part} {name}={getattr(self, part)[name]!r}"
+                 for part in ("fixed", "grid") if name in getattr(self, part)]
+        found += [f"Protocol.overrides[{key!r}][{value!r}] {name}={params[name]!r}"
+                  for key, table in self.overrides.items() if isinstance(table, dict)
+                  for value, params in table.items()
+                  if isinstance(params, dict) and name in params]
+        return found
+
+    def _check_threads(self) -> None:
+        given = self._keys_setting("threads")
+        if self.threads_per_run and given:
+            raise ProtocolError(
+                f"Protocol.threads_per_run={self.threads_per_run} and {', '.join(given)} both "
+                "set each run's thread count; keep one: threads_per_run (the sweep gives it to "
+                "the notebook's threads parameter), or threads in fixed/grid with "
+                "threads_per_run: 0")
 
     def overrides_for(self, point: dict) -> dict:
         """The override parameters that apply to one grid point."""
@@ -197,14 +264,40 @@ def _build(data: dict, path: Path) -> Protocol:
     if missing:
         raise ProtocolError(f"protocol {path}: missing key(s) {', '.join(missing)}; "
                             f"required: {', '.join(required)}")
+    report = data.get("report")
+    if isinstance(report, str) and not report.strip():  # "" is the default's "none"
+        raise ProtocolError(f"protocol {path}: Protocol.report={report!r} is blank; give the "
+                            "analysis notebook `lab report` executes (a path relative to the "
+                            "protocol file, or absolute), or leave the key out for none")
     here = path.parent
     resolved = {key: str((here / data[key]).resolve())
                 for key in ("notebook", "out", "report") if isinstance(data.get(key), str)
-                and data[key]}
+                and data[key].strip()}
     try:
-        return Protocol(**{**data, **resolved, "source": str(path)})
+        protocol = Protocol(**{**data, **resolved, "source": str(path)})
     except ConfigError as err:
         raise ProtocolError(f"protocol {path}: {err}") from None
+    _check_places(protocol, data)
+    return protocol
+
+
+def _check_places(protocol: Protocol, data: dict) -> None:
+    """Refuse an ``out`` that cannot be a directory and a ``report`` that is one, now
+    rather than in every run (and before a Dask cluster starts)."""
+    out = Path(protocol.out)
+    for place in (out, *out.parents):  # the nearest part of it that exists
+        if place.exists():
+            if not place.is_dir():
+                what = "is" if place == out else f"is inside {place}, which is"
+                raise ProtocolError(
+                    f"protocol {protocol.source}: Protocol.out={data['out']!r} ({out}) {what} "
+                    "a file, not a directory; out must be a directory that holds the runs "
+                    "(it need not exist yet)")
+            break
+    if protocol.report and Path(protocol.report).is_dir():
+        raise ProtocolError(f"protocol {protocol.source}: Protocol.report={data['report']!r} "
+                            f"({protocol.report}) is a directory; give the analysis notebook "
+                            "(.ipynb) `lab report` executes, or leave the key out for none")
 
 
 def _check_notebook(protocol: Protocol, configs: bool = True):
@@ -213,6 +306,9 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
     from .notebook import NotebookError, ParameterError, check_parameters, notebook_spec
 
     notebook = Path(protocol.notebook)
+    if notebook.is_dir():
+        raise ProtocolError(f"protocol {protocol.source}: notebook {notebook} is a directory; "
+                            "give the notebook (.ipynb) each run executes")
     if not notebook.is_file():
         near = sorted(p.name for p in notebook.parent.glob("*.ipynb")) if \
             notebook.parent.is_dir() else []
@@ -266,20 +362,62 @@ def load_protocol(path, *, configs: bool = True) -> Protocol:
     return protocol
 
 
+# One file name is at most 255 bytes (ext4, XFS, APFS...); `--force` renames a run to
+# `<run_id>.old-<UTC time>[-n]`, so a run id leaves room for that.
+MAX_RUN_ID_BYTES = 255 - len(".old-20260101T000000Z-99")
+_DIGITS = 8  # hex digits of the sha256 that tells shortened or non-ASCII ids apart
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:_DIGITS]
+
+
+def _safe(text: str, safe: str) -> str:
+    """``text`` with each run of characters outside ``safe`` (ASCII) and the letters
+    and digits of any script (NFC: one form per letter) as one "-"."""
+    text = unicodedata.normalize("NFC", text)
+    kept = "".join(c if c in safe or (not c.isascii() and c.isalnum()) else "\0" for c in text)
+    return re.sub("\0+", "-", kept).strip("-")
+
+
 def _slug(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, dict):
-        return ",".join(f"{key}={_slug(item)}" for key, item in sorted(value.items()))
+        return ",".join(f"{_safe(str(key), _KEY_CHARS)}={_slug(item)}"
+                        for key, item in sorted(value.items()))
     if isinstance(value, list | tuple):
         return "+".join(_slug(item) for item in value)
     # Run ids name directories: anything but a few safe characters becomes "-".
-    return _UNSAFE.sub("-", str(value)).strip("-") or "none"
+    text = str(value)
+    slug = _safe(text, _ID_CHARS)
+    dropped = any(not c.isascii() and not c.isalnum()
+                  for c in unicodedata.normalize("NFC", text))
+    if dropped:  # symbols beyond ASCII (emoji...): told apart by their digest
+        return f"{slug}-{_digest(text)}" if slug else _digest(text)
+    return slug or "none"
 
 
 def run_id_for(grid_point: dict) -> str:
-    """``key-value`` pairs in sorted key order, joined by ``_``: stable and readable."""
-    return "_".join(f"{key}-{_slug(grid_point[key])}" for key in sorted(grid_point))
+    """``key-value`` pairs in sorted key order, joined by ``_``: stable and readable.
+
+    A value keeps ASCII letters, digits and ``. = , + -`` and the letters and digits
+    of any script (``note-α``); any other run of characters becomes one ``-``
+    (``a/b c`` -> ``a-b-c``; two values that then look alike are refused by
+    :func:`expand` as duplicate ids). A value with other non-ASCII characters (emoji,
+    symbols) gets the first 8 hex digits of its sha256 appended, so such values stay
+    apart. An id longer than ``MAX_RUN_ID_BYTES`` bytes of UTF-8 (a file name is at
+    most 255, and ``--force`` appends ``.old-<time>``) is cut there and ends in
+    ``-`` and the sha256 digits of the whole id: distinct, stable, and still a name
+    the file system takes. (An ASCII value's id is what it always was; a non-ASCII
+    letter used to become ``-``.)
+    """
+    run_id = "_".join(f"{key}-{_slug(grid_point[key])}" for key in sorted(grid_point))
+    if len(run_id.encode("utf-8")) <= MAX_RUN_ID_BYTES:
+        return run_id
+    room = MAX_RUN_ID_BYTES - _DIGITS - 1
+    head = run_id.encode("utf-8")[:room].decode("utf-8", "ignore")  # whole characters
+    return f"{head}-{_digest(run_id)}"
 
 
 def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
@@ -318,24 +456,23 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
 
     What ``lab runs PROTOCOL`` and ``lab report`` check (it needs the notebook's config
     class, hence torch); the analysis library's own check (:func:`mark_stale`) is the
-    torch-free part of it. A run's thread count is taken from its record: threads change
-    float rounding, not what was asked.
+    torch-free part of it. Threads are compared as a sweep's :func:`plan` does: when the
+    protocol leaves them to the machine, a run's recorded count is taken as given.
     """
     from .data.identity import changed_files
-    from .notebook import config_differences, notebook_spec, resolve_parameters
+    from .notebook import asked_differences, notebook_spec, resolve_parameters
 
     nb = notebook_spec(protocol.notebook)
     stale = {}
     for spec in expand(protocol):
-        try:
-            record = records.load_record(Path(protocol.out) / spec.run_id, rows=False)
-        except (records.RecordError, FileNotFoundError, OSError):
+        record = _read_record(Path(protocol.out) / spec.run_id)
+        if record is None:
             continue  # missing or unreadable: reported as such elsewhere
-        params = dict(spec.params)
-        if "threads" in nb.declared and "threads" not in params:
-            params["threads"] = record["config"].get("threads", 0)
+        params = _run_params(spec, nb.declared, _threads(protocol, protocol.workers, record))
         resolved = resolve_parameters(protocol.notebook, params, nb, preflight=False)
-        why = config_differences(record["config"], resolved.config, resolved.full)
+        # Compared as a sweep's lab.notebook.decide compares (the notebook's own
+        # parameters included).
+        why = asked_differences(record, resolved)
         why += changed_files(record.get("data"))
         if why:
             stale[spec.run_id] = "; ".join(why)
@@ -529,38 +666,73 @@ def _run_params(spec: RunSpec, declared: dict, threads: int) -> dict:
     return params
 
 
-def _threads(protocol: Protocol, n_workers: int) -> int:
-    return protocol.threads_per_run or max(1, usable_cores() // n_workers)
+def _read_record(run_dir: Path) -> dict | None:
+    try:
+        return records.load_record(run_dir, rows=False)
+    except (records.RecordError, FileNotFoundError, OSError):
+        return None
+
+
+def _threads(protocol: Protocol, n_workers: int, record: dict | None = None) -> int:
+    """The thread count a run is resolved with (unless its parameters set ``threads``).
+
+    ``threads_per_run`` when the protocol sets it; otherwise (0: the machine decides) the
+    count ``record`` (a finished or interrupted run's) was made with, so the same run
+    is not stale under another worker count: threads change float rounding, not what
+    was asked; and for a new run, the usable cores shared among ``n_workers``.
+    """
+    if protocol.threads_per_run:
+        return protocol.threads_per_run
+    recorded = _recorded_threads(record)
+    return max(1, usable_cores() // n_workers) if recorded is None else recorded
+
+
+def _recorded_threads(record: dict | None) -> int | None:
+    config = (record or {}).get("config")
+    recorded = config.get("threads") if isinstance(config, dict) else None
+    return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
 
 
 def plan(protocol: Protocol, threads: int | None = None, *, force: bool = False,
          nb=None) -> tuple[list[RunSpec], dict[str, RunOutcome | None]]:
-    """The protocol's runs, and for each the outcome of leaving it alone (None:
-    it must execute), decided from its record.json and lock only.
+    """The protocol's runs, each with the parameters it executes with (``threads``
+    included when the notebook declares it), and for each the outcome of leaving it
+    alone (None: it must execute), decided from its record.json and lock only.
 
-    ``threads``: the per-run thread count (part of the config; default: as a
-    local sweep with the protocol's workers would set it). ``force``: stale and
-    unreadable runs are to be replaced, so they execute.
+    ``threads``: the per-run thread count of a new run (part of the config; default:
+    as a local sweep with the protocol's workers would set it). With
+    ``threads_per_run: 0`` and no ``threads`` in the protocol, a run already made
+    keeps its recorded count, as :func:`stale_runs` compares it. ``force``: stale
+    and unreadable runs are to be replaced, so they execute (afresh, with
+    ``threads``).
     """
     from .notebook import RunConflict, decide, notebook_spec, resolve_parameters
     from .runlock import RunLocked
 
     nb = notebook_spec(protocol.notebook) if nb is None else nb
     threads = _threads(protocol, protocol.workers) if threads is None else threads
-    specs = expand(protocol)
+    specs = []
     out = Path(protocol.out)
+    replace = "conflicting" if force else "never"
     outcomes: dict[str, RunOutcome | None] = {}
-    for spec in specs:
-        resolved = resolve_parameters(protocol.notebook,
-                                      _run_params(spec, nb.declared, threads), nb)
+    for spec in expand(protocol):
+        recorded = None if protocol.threads_per_run or "threads" not in nb.declared else \
+            _recorded_threads(_read_record(out / spec.run_id))
+        params = _run_params(spec, nb.declared, threads if recorded is None else recorded)
         try:
-            decision, state = decide(out / spec.run_id, resolved,
-                                     "conflicting" if force else "never")
+            decision, state = decide(out / spec.run_id,
+                                     resolve_parameters(protocol.notebook, params, nb), replace)
+            if decision == "replace" and params != _run_params(spec, nb.declared, threads):
+                params = _run_params(spec, nb.declared, threads)  # a new run: this machine's
+                decision, state = decide(out / spec.run_id,
+                                         resolve_parameters(protocol.notebook, params, nb),
+                                         replace)
         except (RunLocked, RunConflict) as err:
             outcomes[spec.run_id] = _left_alone(spec.run_id, err)
-            continue
-        outcomes[spec.run_id] = RunOutcome(spec.run_id, state.status, skipped=True) \
-            if decision == "done" else None
+        else:
+            outcomes[spec.run_id] = RunOutcome(spec.run_id, state.status, skipped=True) \
+                if decision == "done" else None
+        specs.append(dataclasses.replace(spec, params=params))
     return specs, outcomes
 
 
@@ -596,15 +768,23 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
             out = Path(protocol.out)
             replace = "conflicting" if force else "never"
             futures = {}
-            for spec in todo:
+            for spec in todo:  # (plan gave each its parameters, threads included)
                 future = client.submit(
                     _execute_run, protocol.notebook, str(out / spec.run_id), spec.run_id,
-                    _run_params(spec, nb.declared, threads), threads, env, replace, nb,
+                    spec.params, _kernel_threads(spec.params, threads), env, replace, nb,
                     key=f"{spec.run_id}-{uuid.uuid4().hex[:8]}", pure=False)
                 futures[future] = spec
             outcomes.update(_collect(futures, out, protocol.name, progress, tqdm))
     return SweepReport(protocol.name, protocol.out, [outcomes[s.run_id] for s in specs],
                        time.perf_counter() - start)
+
+
+def _kernel_threads(params: dict, threads: int) -> int:
+    """The kernel's OMP/MKL/Numba threads: the run's own ``threads`` when it sets one."""
+    given = params.get("threads")
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given
+    return threads
 
 
 def _record_lost_worker(out: Path, spec: RunSpec, error: str) -> RunOutcome:

@@ -491,3 +491,220 @@ def test_a_fixed_leaf_inside_a_grid_dict_is_refused(tmp_path):
                                             r"\(inside grid key rule_params\) would override "
                                             r"that leaf of every grid value"):
         load_protocol(path, configs=False)
+
+
+# ---------------------------------------------------------------------------
+# trial 5: overrides beaten by fixed leaves, blank/odd paths, threads, run ids
+
+
+def test_an_override_beaten_by_a_fixed_dotted_key_is_refused(tmp_path):
+    # Dotted keys are applied after whole dicts: the fixed leaf would beat the override's,
+    # though an override is meant to win over `fixed`.
+    path = write_protocol(tmp_path / "p.yaml", fixed={"opts.scale": 2},
+                          overrides={"x": {1: {"opts": {"scale": 5, "label": "b"}}}})
+    with pytest.raises(ProtocolError, match=r"Protocol.fixed opts.scale beats "
+                                            r"Protocol.overrides\['x'\]\[1\] opts: a dotted key "
+                                            r"is applied after a whole dict"):
+        load_protocol(path, configs=False)
+    # An override leaf inside a grid key's dicts would beat every grid value's leaf.
+    inside = write_protocol(tmp_path / "q.yaml", grid={"x": [1, 2], "opts": [{"scale": 1}]},
+                            overrides={"x": {1: {"opts.scale": 3}}})
+    with pytest.raises(ProtocolError, match=r"Protocol.overrides\['x'\]\[1\] sets opts.scale "
+                                            r"\(inside grid key opts\), which would override"):
+        load_protocol(inside, configs=False)
+    # The way the message suggests: the override as the same dotted key wins for its value.
+    fixed = write_protocol(tmp_path / "r.yaml", fixed={"opts.scale": 2},
+                           overrides={"x": {1: {"opts.scale": 5}}})
+    protocol = load_protocol(fixed)
+    scales = {spec.run_id: lab.notebook.resolve_parameters(ECHO, spec.params).params["opts"]
+              for spec in expand(protocol)}
+    assert scales == {"x-1": {"scale": 5, "label": "a"}, "x-2": {"scale": 2, "label": "a"}}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"out": ""}, r"Protocol.out='' is blank; give the directory that holds the runs"),
+    ({"out": "  "}, r"Protocol.out='  ' is blank"),
+    ({"notebook": ""}, r"Protocol.notebook='' is blank; give the notebook each run executes"),
+    ({"report": ""}, r"Protocol.report='' is blank; give the analysis notebook `lab report` "
+                     r"executes .* or leave the key out for none"),
+    ({"out": "afile"}, r"Protocol.out='afile' \(.*afile\) is a file, not a directory; out must "
+                       r"be a directory that holds the runs \(it need not exist yet\)"),
+    ({"out": "afile/deeper"}, r"Protocol.out='afile/deeper' \(.*deeper\) is inside .*afile, "
+                              r"which is a file, not a directory"),
+    ({"report": "adir"}, r"Protocol.report='adir' \(.*adir\) is a directory; give the analysis "
+                         r"notebook \(.ipynb\)"),
+    ({"notebook": "adir"}, r"notebook .*adir is a directory; give the notebook \(.ipynb\)"),
+])
+def test_blank_and_misplaced_paths_are_refused_at_load(tmp_path, monkeypatch, capsys, fields,
+                                                       message):
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "adir").mkdir()
+    path = write_protocol(tmp_path / "p.yaml", **fields)
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(path, configs=False)
+    # `lab sweep` refuses it before any Dask cluster starts, creating nothing.
+    import distributed
+
+    monkeypatch.setattr(distributed, "LocalCluster",
+                        lambda *a, **k: pytest.fail("a cluster was started"))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["sweep", str(path), "-q"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "p.yaml"]
+
+
+def test_a_blank_out_is_refused_in_python_too():
+    with pytest.raises(ProtocolError, match=r"Protocol.out='' is blank"):
+        Protocol(name="t", notebook="nb.ipynb", out="", grid={"seed": [0]})
+    with pytest.raises(ProtocolError, match=r"Protocol.report=' ' is blank"):
+        Protocol(name="t", notebook="nb.ipynb", out="o", report=" ", grid={"seed": [0]})
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"fixed": {"threads": 2}}, r"Protocol.fixed threads=2"),
+    ({"grid": {"x": [1], "threads": [1, 2]}}, r"Protocol.grid threads=\[1, 2\]"),
+    ({"overrides": {"x": {1: {"threads": 2}}}},
+     r"Protocol.overrides\['x'\]\[1\] threads=2"),
+])
+def test_threads_set_twice_is_refused(tmp_path, fields, named):
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN), threads_per_run=1, **fields)
+    with pytest.raises(ProtocolError, match=r"Protocol.threads_per_run=1 and " + named
+                       + r" both set each run's thread count; keep one"):
+        load_protocol(path, configs=False)
+
+
+def test_threads_left_to_the_machine_are_taken_from_the_record(tmp_path, monkeypatch):
+    # A run made by a sweep with 2 workers on 2 cores (1 thread each), then asked again by a
+    # sweep with 1 worker (2 threads): `lab sweep` and `lab runs` must agree it is complete.
+    from lab.sweep import stale_runs
+
+    monkeypatch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel"))
+    runs = tmp_path / "runs"
+    _fake_run(runs / "seed-0", "complete", _conv_config(epochs=1, threads=1, seed=0))
+    _fake_run(runs / "seed-1", "running", _conv_config(epochs=1, threads=1, seed=1))  # killed
+
+    def protocol(threads_per_run, **fixed):
+        return load_protocol(write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN),
+                                            fixed={"epochs": 1, **fixed},
+                                            grid={"seed": [0, 1, 2]},
+                                            threads_per_run=threads_per_run))
+
+    auto = protocol(0)
+    specs, outcomes = plan(auto, 2)
+    assert outcomes["seed-0"].status == "complete" and outcomes["seed-0"].skipped
+    assert stale_runs(auto) == {}
+    # The interrupted run resumes with the threads it started with; a new run gets this
+    # sweep's count.
+    threads = {spec.run_id: spec.params["threads"] for spec in specs}
+    assert threads == {"seed-0": 1, "seed-1": 1, "seed-2": 2}
+    assert outcomes["seed-1"] is None and outcomes["seed-2"] is None
+    # A protocol that fixes the count: both call the run made with another count stale.
+    for fixed in (protocol(2), protocol(0, threads=2)):
+        assert plan(fixed, 2)[1]["seed-0"].status == "stale"
+        assert "threads: 1 there vs 2" in stale_runs(fixed)["seed-0"]
+    # Stale for another reason and forced: it is run afresh, with this sweep's count.
+    changed = protocol(0, lr=0.2)
+    assert "lr: 0.1 there vs 0.2" in stale_runs(changed)["seed-0"]
+    assert plan(changed, 2)[1]["seed-0"].status == "stale"
+    specs, outcomes = plan(changed, 2, force=True)
+    assert outcomes["seed-0"] is None
+    assert {s.run_id: s.params["threads"] for s in specs}["seed-0"] == 2
+
+
+def test_run_ids_of_non_ascii_values_are_distinct_and_stable(tmp_path):
+    import hashlib
+
+    def digest(text):
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+    path = write_protocol(tmp_path / "p.yaml", grid={"x": ["α", "β", "café", "🙂", "🙃", "a🙂"]})
+    ids = [spec.run_id for spec in expand(load_protocol(path))]
+    assert ids == ["x-α", "x-β", "x-café", f"x-{digest('🙂')}", f"x-{digest('🙃')}",
+                   f"x-a-{digest('a🙂')}"]
+    # One letter in two Unicode forms (composed é, e + combining accent) is one id: refused.
+    both = write_protocol(tmp_path / "q.yaml", grid={"x": ["caf\u00e9", "cafe\u0301"]})
+    with pytest.raises(ProtocolError, match=r"duplicate run ids: x-café"):
+        load_protocol(both)
+    # The file system takes them, with --force's suffix too.
+    for run_id in ids:
+        (tmp_path / "runs" / f"{run_id}.old-20260101T000000Z-99").mkdir(parents=True)
+
+
+def test_long_run_ids_are_shortened_with_a_digest(tmp_path):
+    import hashlib
+
+    from lab.sweep import MAX_RUN_ID_BYTES
+
+    assert MAX_RUN_ID_BYTES + len(".old-20260101T000000Z-99") == 255
+    grid = {"x": ["a" * 300, "a" * 299 + "b", "é" * 200, "short"]}
+    ids = [spec.run_id for spec in expand(load_protocol(write_protocol(tmp_path / "p.yaml",
+                                                                        grid=grid)))]
+    assert len(set(ids)) == 4 and ids[3] == "x-short"
+    for run_id, value in zip(ids[:3], grid["x"][:3], strict=True):
+        full = f"x-{value}"
+        assert len(run_id.encode()) <= MAX_RUN_ID_BYTES
+        assert run_id.endswith("-" + hashlib.sha256(full.encode()).hexdigest()[:8])
+        assert full.startswith(run_id[:-9])  # cut on a whole character
+        (tmp_path / "runs" / f"{run_id}.old-20260101T000000Z-99").mkdir(parents=True)
+    assert len(ids[0].encode()) == MAX_RUN_ID_BYTES
+
+
+def _echo_with_threads(path: Path) -> Path:
+    """The echo notebook with a `threads` parameter, as a trainer notebook declares it."""
+    nb = json.loads(ECHO.read_text())
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if "parameters" in cell["metadata"].get("tags", []):
+            cell["source"] = source + "\nthreads = 0"
+        elif "record_value(\"x\", x)" in source:
+            cell["source"] = source + "\nrecord_value(\"threads\", threads)"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def test_lab_sweep_with_fewer_workers_keeps_runs_lab_runs_calls_complete(tmp_path, monkeypatch,
+                                                                         capsys):
+    # The trial's repro: threads_per_run 0, a sweep with --workers 2, then --workers 1.
+    monkeypatch.setattr("lab.sweep.usable_cores", lambda: 4)
+    notebook = _echo_with_threads(tmp_path / "threads.ipynb")
+    # x-2 sets its own count: its kernel's OMP/Numba threads follow it.
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(notebook), grid={"x": [1, 2]},
+                          overrides={"x": {2: {"threads": 3}}}, threads_per_run=0)
+    assert cli_main(["sweep", str(path), "-q", "--workers", "2"]) == 0
+    for run, threads in (("x-1", 2), ("x-2", 3)):  # x-1: 4 cores // 2 workers
+        values = read_values(tmp_path / "runs" / run / "notebook.ipynb")
+        assert values["threads"] == threads
+        assert values["omp_threads"] == values["numba_threads"] == str(threads)
+    capsys.readouterr()
+    assert cli_main(["sweep", str(path), "-q", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs, 0 executed, 2 already finished" in out and "STALE" not in out
+    table, _ = runs_table(path)
+    assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "complete"}
+
+
+def test_lab_runs_and_lab_sweep_agree_on_a_notebooks_own_parameters(tmp_path, monkeypatch):
+    # A notebook with a parameter beyond its config class (a note): a run made with another
+    # note is stale for both the sweep's plan and stale_runs (`lab runs`, `lab report`).
+    import nbformat
+
+    from lab.sweep import stale_runs
+
+    monkeypatch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel"))
+    nb = nbformat.read(TRAIN, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source += '\nnote = "default note"\n'
+    nbformat.write(nb, str(tmp_path / "mine.ipynb"))
+    runs = tmp_path / "runs"
+    for seed, note in ((0, "first"), (1, "second")):
+        record = records.new_record(run_id=f"seed-{seed}", kind="conv",
+                                    config=_conv_config(epochs=1, threads=1, seed=seed))
+        record.update(status="complete", notebook_params={"note": note})
+        records.save_run(runs / f"seed-{seed}", record)
+    protocol = load_protocol(write_protocol(tmp_path / "p.yaml", notebook="mine.ipynb",
+                                            fixed={"epochs": 1, "note": "first"},
+                                            grid={"seed": [0, 1]}, threads_per_run=1))
+    outcomes = plan(protocol)[1]
+    assert outcomes["seed-0"].status == "complete"
+    assert outcomes["seed-1"].status == "stale"
+    assert stale_runs(protocol) == {"seed-1": "note: 'second' there vs 'first' now"}
