@@ -550,6 +550,11 @@ class SweepReport:
         return [o for o in self.outcomes if o.status == "failed"]
 
     @property
+    def diverged(self) -> list[RunOutcome]:
+        """Runs that ended ``diverged`` (a finished result, reported apart from failures)."""
+        return [o for o in self.outcomes if o.status == "diverged"]
+
+    @property
     def left_alone(self) -> list[RunOutcome]:
         """Runs this sweep could not execute: stale, unreadable or locked."""
         return [o for o in self.outcomes if o.status in LEFT_ALONE]
@@ -570,9 +575,10 @@ class SweepReport:
         lines = [f"{self.protocol}: {len(self.outcomes)} runs, {len(self.executed)} executed, "
                  f"{kept} already finished, {count['locked']} locked by another process, "
                  f"{count['stale'] + count['unreadable']} left alone (stale or unreadable), "
-                 f"{len(self.failed)} failed in {self.wall_s:.1f} s; runs in {self.out}"]
+                 f"{len(self.failed)} failed, {len(self.diverged)} diverged in "
+                 f"{self.wall_s:.1f} s; runs in {self.out}"]
         lines += [f"  {o.status.upper()} {o.run_id}: {o.error}"
-                  for o in self.outcomes if o.status in ("failed", *LEFT_ALONE)]
+                  for o in self.outcomes if o.status in ("failed", "diverged", *LEFT_ALONE)]
         lines += [f"  replaced {o.run_id}: the old run is kept in {o.moved_aside}"
                   for o in self.outcomes if o.moved_aside]
         return "\n".join(lines)

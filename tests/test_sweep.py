@@ -708,3 +708,15 @@ def test_lab_runs_and_lab_sweep_agree_on_a_notebooks_own_parameters(tmp_path, mo
     assert outcomes["seed-0"].status == "complete"
     assert outcomes["seed-1"].status == "stale"
     assert stale_runs(protocol) == {"seed-1": "note: 'second' there vs 'first' now"}
+
+
+def test_the_summary_counts_diverged_runs_apart():
+    from lab.sweep import RunOutcome, SweepReport
+
+    report = SweepReport("p", "runs", [
+        RunOutcome("a", "complete"), RunOutcome("b", "diverged", "train_loss=inf at epoch 3"),
+        RunOutcome("c", "failed", "ValueError: x")], wall_s=1.0)
+    text = report.summary()
+    assert "3 runs, 3 executed, 0 already finished" in text and "1 failed, 1 diverged in" in text
+    assert "  DIVERGED b: train_loss=inf at epoch 3" in text and "  FAILED c: ValueError: x" in text
+    assert [o.run_id for o in report.diverged] == ["b"]
