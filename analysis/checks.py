@@ -47,3 +47,22 @@ def path_like(value, parameter: str, what: str) -> None:
     if isinstance(value, os.PathLike):
         return
     raise TypeError(f"{parameter} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def dataframe(value, parameter: str, what: str) -> pd.DataFrame:
+    """``value`` if it is a DataFrame; otherwise a TypeError naming ``parameter``, what
+    was given and what is expected (``what``: e.g. "the runs table, ProtocolRuns.table()")."""
+    if isinstance(value, pd.DataFrame):
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+    raise TypeError(f"{parameter} must be {what} (a pandas DataFrame), got {shown} "
+                    f"({type(value).__name__})")
+
+
+def listing(values, limit: int = 12) -> str:
+    """Column names for a message: ``'a', 'b', ... (3 more)``, or "none"."""
+    values = [str(v) for v in values]
+    shown = ", ".join(map(repr, values[:limit]))
+    more = f", ... ({len(values) - limit} more)" if len(values) > limit else ""
+    return shown + more if values else "none"

@@ -8,6 +8,10 @@ Figures are :class:`NotebookFigure`, a ``matplotlib.figure.Figure`` without
 pyplot state: they work under the Agg backend in scripts, and a notebook cell
 that returns one shows it as PNG without importing pyplot or the inline
 backend (which would cost every papermill run a noticeable part of a second).
+
+Arguments are checked before drawing: the two tables given in the wrong order, a
+run record where its rows are expected, or no rows at all, is an error naming the
+parameter and what it lacks, not a bare KeyError or an empty figure.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .checks import names
+from lab.records import TIDY_COLUMNS
+
+from .checks import dataframe, listing, names
 
 _PANEL = (4.2, 3.2)
 
@@ -43,7 +49,13 @@ def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
         ("train_loss", "val_loss"), ("train_acc", "val_acc")), title: str = "") -> NotebookFigure:
     """One run's curves over its rows (per epoch, or per step): one panel per
     tuple of fields, e.g. ``[("train_loss", "val_loss")]``; a field no row has is
-    left out of its panel (a run without validation has no val_loss)."""
+    left out of its panel (a run without validation has no val_loss).
+
+    ``trajectory`` is the list of rows itself, ``record["trajectory"]`` (epoch rows)
+    or ``record["steps"]`` (step rows) of ``lab.records.load_record``: the record
+    (a dict) is refused with a message saying so, rather than guessing the axis;
+    no rows at all is a ValueError, not an empty figure."""
+    trajectory = _rows(trajectory)
     fields = _panels(fields)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
@@ -62,6 +74,31 @@ def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _rows(trajectory) -> list[dict]:
+    """run_curves' ``trajectory``: a non-empty list of row dicts."""
+    take = ("pass record['trajectory'] (epoch rows) or record['steps'] (step rows) of "
+            "lab.records.load_record(run_dir)")
+    if isinstance(trajectory, dict):
+        raise TypeError(f"run_curves: trajectory must be a list of row dicts (one per epoch "
+                        f"or step), got a dict, not its rows (keys {listing(trajectory, 5)}); "
+                        f"{take}")
+    if not isinstance(trajectory, list | tuple):
+        shown = repr(trajectory)
+        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+        raise TypeError(f"run_curves: trajectory must be a list of row dicts (one per epoch "
+                        f"or step), got {shown} ({type(trajectory).__name__}); {take}")
+    if not trajectory:
+        raise ValueError("run_curves: no rows to draw: trajectory is empty (a run with no "
+                         "rows on this axis yet; its other axis, if any, is record['steps'] "
+                         "or record['trajectory'])")
+    bad = next((i for i, row in enumerate(trajectory) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise TypeError(f"run_curves: trajectory must be a list of row dicts (one per epoch "
+                        f"or step), but trajectory[{bad}] is {trajectory[bad]!r} "
+                        f"({type(trajectory[bad]).__name__}); {take}")
+    return list(trajectory)
 
 
 def _panels(fields) -> list[tuple[str, ...]]:
@@ -93,6 +130,7 @@ def curve_bands(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence
     """Per group and row (epoch or step; the column is named after the axis):
     mean, std (over seeds, ddof=1) and n of ``field``."""
     group_keys = names(group_keys, "group_keys", "column names")
+    _check_tables("curve_bands", metrics, table, group_keys)
     if not isinstance(field, str):
         raise TypeError(f"curve_bands: field must be one metric name (str), got {field!r} "
                         f"({type(field).__name__})")
@@ -103,6 +141,32 @@ def curve_bands(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence
     rows = rows.merge(labels[["run_id", "group"]], on="run_id")
     stats = rows.groupby(["group", "index"])["value"].agg(["mean", "std", "count"])
     return stats.rename(columns={"count": "n"}).reset_index().rename(columns={"index": axis})
+
+
+_METRICS = "the tidy metrics table (ProtocolRuns.metrics or lab.records.load_metrics)"
+_TABLE = "the runs table, one row per run (ProtocolRuns.table())"
+
+
+def _check_tables(function: str, metrics, table, group_keys: list[str]) -> None:
+    """``metrics`` has the tidy columns and ``table`` run_id and the group keys; the
+    two tables given in the wrong order (a natural slip: both are DataFrames of one
+    protocol) are named as swapped."""
+    dataframe(metrics, "metrics", _METRICS)
+    dataframe(table, "table", _TABLE)
+    tidy = list(TIDY_COLUMNS)
+    swapped = (set(tidy) <= set(table.columns) and not set(tidy) <= set(metrics.columns))
+    hint = (f"; metrics and table look swapped (the order is {function}(metrics, table, "
+            "group_keys, ...))" if swapped else "")
+    lacking = [column for column in tidy if column not in metrics.columns]
+    if lacking:
+        raise ValueError(f"{function}: metrics lacks column(s) {listing(lacking)}: it must be "
+                         f"{_METRICS}, with columns {listing(tidy)}; got columns "
+                         f"{listing(metrics.columns)}{hint}")
+    lacking = [column for column in ["run_id", *group_keys] if column not in table.columns]
+    if lacking:
+        raise ValueError(f"{function}: table lacks column(s) {listing(lacking)}: it must be "
+                         f"{_TABLE}, with run_id and the group keys; got columns "
+                         f"{listing(table.columns)}{hint}")
 
 
 def _check_axis(axis) -> None:
@@ -150,6 +214,7 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
     if not fields:
         raise ValueError("learning_curves: fields is empty; name at least one metric to "
                          "draw, e.g. ['train_loss']")
+    _check_tables("learning_curves", metrics, table, group_keys)
     _check_axis(axis)
     _check_fields(metrics, table, fields, axis)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")

@@ -1,19 +1,32 @@
-"""Summary tables: mean +- std over seeds, grouped by the other grid keys."""
+"""Summary tables: mean +- std over seeds, grouped by the other grid keys.
+
+The usual statistics of repeated runs (sample mean and the ddof=1 standard deviation
+over seeds), with the arguments checked: group keys and metrics given in the wrong
+order are refused by name rather than summarized into nonsense.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import pandas as pd
 
-from .checks import names
+from lab.records import RUN_COLUMNS
+
+from .checks import dataframe, listing, names
 
 _ALL = "all runs"
 _STATS = ("mean", "std", "n")
 # A std that fixed decimals would show with fewer than two significant digits (0.0000 for
 # 3.6e-5) is shown with this many instead.
 _STD_SIGNIFICANT = 3
+# A run's results, as ProtocolRuns.table() names them: what is summarized, never grouped by.
+_RESULT = "final."
+# Columns of the runs table that are neither grid keys nor results.
+_BOOKKEEPING = frozenset(RUN_COLUMNS) | {"n_rows"}
+_ORDER = "the order is summarize(table, group_keys, metrics)"
 
 
 def _numeric(table: pd.DataFrame, metric: str) -> pd.Series:
@@ -25,9 +38,31 @@ def _numeric(table: pd.DataFrame, metric: str) -> pd.Series:
         return pd.to_numeric(column)
     except (TypeError, ValueError):
         examples = ", ".join(repr(v) for v in dict.fromkeys(column.dropna().tolist()[:3]))
+        # Text that is neither a result nor bookkeeping is a grid or config value
+        # (a rule's name): the column is most likely a group key given as a metric.
+        swapped = not metric.startswith(_RESULT) and metric not in _BOOKKEEPING
+        hint = (f"; {metric!r} looks like a group key: group_keys and metrics look "
+                f"swapped ({_ORDER})" if swapped else "")
         raise TypeError(f"summarize: column {metric!r} is not numeric (values such as "
                         f"{examples}); metrics must be columns of numbers, e.g. "
-                        "final.test_acc") from None
+                        f"final.test_acc{hint}") from None
+
+
+def _check_not_results(group_keys: list[str], metrics: list[str]) -> None:
+    """A final.* column is a run's result: grouping by it makes one group per value.
+    Only the prefix decides, so a numeric grid key (weight_decay, lr) stays a group key."""
+    results = [key for key in group_keys if key.startswith(_RESULT)]
+    if not results:
+        return
+    if any(metric.startswith(_RESULT) for metric in metrics):
+        hint = "group by grid keys (e.g. ProtocolRuns.group_keys) instead."
+    else:
+        hint = (f"group_keys and metrics look swapped ({_ORDER}); did you mean "
+                f"summarize(table, {metrics!r}, {group_keys!r})?")
+    raise ValueError(f"summarize: group_keys {results!r} are final.* columns (a run's "
+                     f"results, not grid keys: grouping by them makes one group per value); "
+                     f"{hint} To group by a result on purpose, copy it to a column without "
+                     "the 'final.' prefix first")
 
 
 def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) -> pd.DataFrame:
@@ -50,7 +85,18 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     ``group_keys`` and ``metrics`` are lists of column names; a metric column must
     hold numbers. A group key may not be named like a column the summary makes
     (``n``, ``<metric>/mean``, ...).
+
+    The two lists given in the wrong order are refused, by two rules that leave
+    grouping by grid keys alone: a group key named ``final.*`` (a run's result) is a
+    ValueError, decided by that prefix only, not by dtype, so grouping by a numeric
+    grid key (``weight_decay``, ``lr``) stays allowed (to group by a result on purpose,
+    copy it to a column without the prefix); a metric column holding text is a
+    TypeError, which says the column looks like a group key when it is neither a
+    ``final.*`` result nor run bookkeeping (``status``, ``run_id``, ...). A numeric
+    grid key given as a metric is summarized (it is a column of numbers): nothing
+    but its name says it was meant as a group key.
     """
+    table = dataframe(table, "table", "the runs table, one row per run (ProtocolRuns.table())")
     group_keys = names(group_keys, "group_keys", "column names")
     metrics = names(metrics, "metrics", "column names")
     missing = [c for c in group_keys + metrics if c not in table.columns]
@@ -64,6 +110,7 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
                          "name of a column the summary makes (n, <metric>/mean, <metric>/std, "
                          "<metric>/n); rename them first, e.g. table.rename(columns="
                          f"{{{clashes[0]!r}: {clashes[0] + '_'!r}}})")
+    _check_not_results(group_keys, metrics)
     keys = group_keys or ["group"]
     frame = table.assign(**{metric: _numeric(table, metric) for metric in metrics})
     if not group_keys:
@@ -123,7 +170,22 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``; an infinite value reads
     ``inf (no std: a value is infinite)``, +inf and -inf in one group
     ``undefined: +inf and -inf among the values``.
+
+    ``summary`` must be :func:`summarize`'s output (it has the ``n`` column); any other
+    table, e.g. the runs table itself, is a ValueError saying so.
     """
+    summary = dataframe(summary, "summary", "summarize's output")
+    if "n" not in summary.columns:
+        raise ValueError("format_mean_std expects summarize's output (columns "
+                         "<metric>/mean, <metric>/std, <metric>/n per metric, and n), got a "
+                         f"table with columns {listing(summary.columns)}; pass "
+                         "format_mean_std(summarize(table, group_keys, metrics))")
+    if isinstance(digits, bool) or not isinstance(digits, numbers.Integral):
+        raise TypeError(f"format_mean_std: digits must be an int (decimals shown), got "
+                        f"{digits!r} ({type(digits).__name__})")
+    if not 0 <= digits <= 15:
+        raise ValueError(f"format_mean_std: digits must be from 0 to 15 (decimals shown), "
+                         f"got {digits}")
     means = [c for c in summary.columns if c.endswith("/mean")
              and f"{c[: -len('/mean')]}/std" in summary.columns]
     keys = _key_columns(summary)

@@ -569,6 +569,23 @@ def read_rows(run_dir, axis: str, count: int) -> list[dict]:
 # saving and loading runs
 
 
+_ONE_RUN = f"a run directory or a {RECORD_FILE} path"
+_RUNS = f"a run directory, a directory of runs or a {RECORD_FILE} path"
+
+
+def _check_path_arg(value: Any, function: str, parameter: str, what: str) -> None:
+    """A str or os.PathLike naming a path: pathlib's own error for a list or an int
+    ("expected str, bytes or os.PathLike object") names neither function nor parameter,
+    and "" would quietly mean the current directory."""
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and value.strip()):
+        return
+    shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(f"{function}: {parameter} must be {what} (a str or os.PathLike), got "
+                f"{shown} ({type(value).__name__})"
+                + ("; '.' names the current directory" if isinstance(value, str) else ""))
+
+
 def _record_path(run_dir_or_record_json) -> Path:
     path = Path(run_dir_or_record_json)
     return path if path.suffix == ".json" else path / RECORD_FILE
@@ -670,6 +687,7 @@ def load_record(run_dir_or_record_json, *, rows: bool = True) -> dict:
     With ``rows`` the rows come along under ``trajectory`` (epoch) and ``steps``
     (step), as lists of dicts.
     """
+    _check_path_arg(run_dir_or_record_json, "load_record", "run_dir_or_record_json", _ONE_RUN)
     path = _record_path(run_dir_or_record_json)
     record = _read_record(path)
     if rows and record["schema_version"] != 1:
@@ -827,8 +845,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     count, ``expect`` its completeness declaration (dict, or None for records
     that declare none). Nested config dicts and final metrics are flattened
     with "/" (final names match tidy_metrics' metric names). Any unreadable
-    record raises one RecordError listing every bad path.
+    record raises one RecordError listing every bad path. A ``root`` that is not a
+    path (a list, an int, None) is a TypeError naming it.
     """
+    _check_path_arg(root, "load_runs", "root", _RUNS)
     rows, problems = [], []
     for path in _record_paths(root, include_old):
         try:
@@ -897,7 +917,9 @@ def run_metrics(record_path) -> pd.DataFrame:
 
 def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     """All runs' tidy metrics under ``root`` (row stores, or version 1 records); runs
-    moved aside by ``--force`` are left out unless ``include_old`` (see load_runs)."""
+    moved aside by ``--force`` are left out unless ``include_old`` (see load_runs).
+    A ``root`` that is not a path (a list, an int, None) is a TypeError naming it."""
+    _check_path_arg(root, "load_metrics", "root", _RUNS)
     frames, problems = [], []
     for path in _record_paths(root, include_old):
         try:

@@ -657,3 +657,134 @@ def test_cfc_lift_step_none_is_kept_when_no_run_lifted(cfc_unlifted, tmp_path):
                      {"protocol": str(cfc_unlifted)}, record=False)
     assert result.status == "complete", result.error
     assert result.values["lift_steps"] == dict.fromkeys(ids)
+
+
+# ---------------------------------------------------------------------------
+# mis-ordered or wrong-typed calls (trial 5): one error naming the parameter, never
+# a bare KeyError or a silently wrong table
+
+
+def test_summarize_refuses_group_keys_and_metrics_swapped():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    # The trial's call: the two lists in the wrong order. The message suggests the right
+    # one, and that call gives the summary the protocol's own order gives.
+    with pytest.raises(ValueError, match=r"^summarize: group_keys \['final.test_acc'\] are "
+                                         r"final.\* columns \(a run's results, not grid keys: "
+                                         r"grouping by them makes one group per value\); "
+                                         r"group_keys and metrics look swapped \(the order is "
+                                         r"summarize\(table, group_keys, metrics\)\); did you "
+                                         r"mean summarize\(table, \['lr', 'rule'\], "
+                                         r"\['final.test_acc'\]\)\? To group by a result on "
+                                         r"purpose, copy it to a column without the 'final.' "
+                                         r"prefix first$"):
+        summarize(table, ["final.test_acc"], data.group_keys)
+    right = summarize(table, ["lr", "rule"], ["final.test_acc"])
+    assert right.equals(summarize(table, data.group_keys, ["final.test_acc"]))
+    # Metrics that are final.* too: not a swap, but still no grouping by a result.
+    with pytest.raises(ValueError, match=r"^summarize: group_keys \['final.test_loss'\] are "
+                                         r"final.* group by grid keys \(e.g. ProtocolRuns."
+                                         r"group_keys\) instead. To group"):
+        summarize(table, ["lr", "final.test_loss"], ["final.test_acc"])
+    # A text grid key given as a metric (and a numeric one as the group key).
+    with pytest.raises(TypeError, match=r"^summarize: column 'rule' is not numeric \(values "
+                                        r"such as 'bp'\); metrics must be columns of numbers, "
+                                        r"e.g. final.test_acc; 'rule' looks like a group key: "
+                                        r"group_keys and metrics look swapped \(the order is "
+                                        r"summarize\(table, group_keys, metrics\)\)$"):
+        summarize(table, ["lr"], ["rule"])
+    # Not a DataFrame (the loaded protocol instead of its table).
+    with pytest.raises(TypeError, match=r"^table must be the runs table, one row per run "
+                                        r"\(ProtocolRuns.table\(\)\) \(a pandas DataFrame\), "
+                                        r"got .* \(ProtocolRuns\)$"):
+        summarize(data, data.group_keys, ["final.test_acc"])
+
+
+def test_summarize_still_groups_by_a_numeric_grid_key():
+    # weight_decay is a number, like a metric: only the final. prefix marks a result, so
+    # grouping by it stays allowed, and the numbers are the per-group mean and std.
+    table = pd.DataFrame({"run_id": list("abcdef"),
+                          "weight_decay": [1e-3, 1e-3, 1e-3, 0.0, 0.0, 0.0],
+                          "final.test_acc": [0.5, 0.6, 0.8, 0.2, 0.25, 0.3]})
+    summary = summarize(table, ["weight_decay"], ["final.test_acc"])
+    assert list(summary["weight_decay"]) == [0.0, 1e-3] and list(summary["n"]) == [3, 3]
+    for row, accs in zip(summary.itertuples(index=False), ([0.2, 0.25, 0.3], [0.5, 0.6, 0.8])):
+        assert row[1] == pytest.approx(statistics.mean(accs), abs=1e-12)
+        assert row[2] == pytest.approx(statistics.stdev(accs), abs=1e-12)
+    # A numeric metric that is not final.* stays a metric (no name rule applies to it).
+    assert summarize(table, [], ["weight_decay"]).loc[0, "weight_decay/mean"] == \
+        pytest.approx(0.0005, abs=1e-15)
+
+
+def test_format_mean_std_refuses_a_table_that_is_not_a_summary():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    with pytest.raises(ValueError, match=r"^format_mean_std expects summarize's output "
+                                         r"\(columns <metric>/mean, <metric>/std, <metric>/n "
+                                         r"per metric, and n\), got a table with columns "
+                                         r"'run_id', 'lr', 'rule', 'seed', 'status', 'n_rows', "
+                                         r".*; pass format_mean_std\(summarize\(table, "
+                                         r"group_keys, metrics\)\)$"):
+        format_mean_std(table)
+    with pytest.raises(TypeError, match=r"^summary must be summarize's output \(a pandas "
+                                        r"DataFrame\), got 'x' \(str\)$"):
+        format_mean_std("x")
+    summary = summarize(table, data.group_keys, ["final.test_acc"])
+    with pytest.raises(TypeError, match=r"^format_mean_std: digits must be an int \(decimals "
+                                        r"shown\), got 2.5 \(float\)$"):
+        format_mean_std(summary, 2.5)
+    with pytest.raises(ValueError, match=r"^format_mean_std: digits must be from 0 to 15 "
+                                         r"\(decimals shown\), got -1$"):
+        format_mean_std(summary, -1)
+    mean = summary.loc[0, "final.test_acc/mean"]
+    assert format_mean_std(summary, 2).loc[0, "final.test_acc"].startswith(f"{mean:.2f} ± ")
+
+
+def test_curves_name_the_table_that_lacks_columns():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    tidy = r"'run_id', 'axis', 'index', 'metric', 'value'"
+    # The trial's call: the runs table and the metrics swapped.
+    with pytest.raises(ValueError, match=r"^learning_curves: metrics lacks column\(s\) 'axis', "
+                                         r"'index', 'metric', 'value': it must be the tidy "
+                                         r"metrics table \(ProtocolRuns.metrics or lab.records"
+                                         rf".load_metrics\), with columns {tidy}; got columns "
+                                         r"'run_id', 'lr', .*; metrics and table look swapped "
+                                         r"\(the order is learning_curves\(metrics, table, "
+                                         r"group_keys, \.\.\.\)\)$"):
+        learning_curves(table, data.metrics, data.group_keys, ["train_loss"])
+    with pytest.raises(ValueError, match=r"^curve_bands: metrics lacks column\(s\) 'axis'.*"
+                                         r"look swapped \(the order is curve_bands\(metrics, "):
+        curve_bands(table, data.metrics, data.group_keys, "train_loss")
+    # A table without a group key: which one, and no swap is suggested.
+    with pytest.raises(ValueError, match=r"^learning_curves: table lacks column\(s\) 'lr': it "
+                                         r"must be the runs table, one row per run \(Protocol"
+                                         r"Runs.table\(\)\), with run_id and the group keys; "
+                                         r"got columns 'run_id', 'rule', 'seed', ") as err:
+        learning_curves(data.metrics, table.drop(columns="lr"), data.group_keys)
+    assert "swapped" not in str(err.value)
+    with pytest.raises(TypeError, match=r"^metrics must be the tidy metrics table .* \(a pandas "
+                                        r"DataFrame\), got None \(NoneType\)$"):
+        learning_curves(None, table, data.group_keys)
+
+
+def test_run_curves_refuses_a_record_and_an_empty_trajectory():
+    record = records.load_record(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-0")
+    take = (r"pass record\['trajectory'\] \(epoch rows\) or record\['steps'\] \(step rows\) "
+            r"of lab.records.load_record\(run_dir\)$")
+    with pytest.raises(TypeError, match=r"^run_curves: trajectory must be a list of row dicts "
+                                        r"\(one per epoch or step\), got a dict, not its "
+                                        r"rows \(keys 'schema_version', 'run_id', 'kind', "
+                                        rf"'status', 'config', \.\.\. \(\d+ more\)\); {take}"):
+        run_curves(record)
+    with pytest.raises(ValueError, match=r"^run_curves: no rows to draw: trajectory is empty"):
+        run_curves([])
+    with pytest.raises(TypeError, match=rf"got 'train_loss' \(str\); {take}"):
+        run_curves("train_loss")
+    with pytest.raises(TypeError, match=rf"but trajectory\[1\] is 3 \(int\); {take}"):
+        run_curves([record["trajectory"][0], 3])
+    # The record's rows draw, a point per epoch.
+    fig = run_curves(record["trajectory"])
+    lines = fig.get_axes()[0].lines
+    assert [list(line.get_xdata()) for line in lines] == [[0, 1, 2, 3]] * 2
+    assert list(lines[0].get_ydata()) == [row["train_loss"] for row in record["trajectory"]]

@@ -538,3 +538,30 @@ def test_load_runs_and_metrics_take_one_runs_record_json(base_record, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"notes.txt: a file, not a directory; give a "
                                                 r"directory of runs or a run's record.json$"):
         records.load_runs(tmp_path / "notes.txt")
+
+
+def test_a_path_argument_that_is_not_a_path_is_named(base_record, tmp_path):
+    # pathlib's own "expected str, bytes or os.PathLike object, not list" names neither the
+    # function nor the parameter; "" would quietly read the current directory.
+    runs = "a run directory, a directory of runs or a record.json path"
+    for function in (records.load_runs, records.load_metrics):
+        name = function.__name__
+        for value, shown in ((["r"], r"\['r'\] \(list\)"), (3, r"3 \(int\)"),
+                             (None, r"None \(NoneType\)")):
+            with pytest.raises(TypeError, match=rf"^{name}: root must be {runs} \(a str or "
+                                                rf"os.PathLike\), got {shown}$"):
+                function(value)
+        with pytest.raises(ValueError, match=rf"^{name}: root must be {runs} .*got '' \(str\); "
+                                             r"'\.' names the current directory$"):
+            function("")
+    for value, shown in ((["r"], r"\['r'\] \(list\)"), (3, r"3 \(int\)"),
+                         (None, r"None \(NoneType\)")):
+        with pytest.raises(TypeError, match=r"^load_record: run_dir_or_record_json must be a "
+                                            r"run directory or a record.json path \(a str or "
+                                            rf"os.PathLike\), got {shown}$"):
+            records.load_record(value)
+    # A str and a Path still read the same run.
+    records.save_run(tmp_path / "a", filled(base_record, run_id="a", status="complete"))
+    assert records.load_record(str(tmp_path / "a"))["run_id"] == "a"
+    assert list(records.load_runs(str(tmp_path))["run_id"]) == ["a"]
+    assert records.load_metrics(tmp_path).equals(records.load_metrics(str(tmp_path)))
