@@ -84,32 +84,6 @@ def _flat(point: dict, prefix: str = "") -> dict:
     return out
 
 
-def _leaves(name: str, value):
-    """(flattened name, leaf) pairs, nested with "/" as ``lab.records.load_runs`` names them."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(f"{name}/{key}", item)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _leaves(f"{name}/{i}", item)
-    else:
-        yield name, value
-
-
-def _with_none_finals(runs: pd.DataFrame, run_dir: Path) -> pd.DataFrame:
-    """``runs`` (one run's row) with a NaN ``final.<name>`` column for each final leaf its
-    record holds as None. ``load_runs`` keeps numeric leaves only, so a metric that is
-    None by design (CfC's ``lift_step`` when the lift never fired) would otherwise not be
-    a column at all when no run of the protocol has a number there."""
-    if not len(runs):
-        return runs
-    final = records.load_record(run_dir, rows=False)["final"]
-    absent = {f"final.{name}": float("nan") for key, value in final.items()
-              for name, leaf in _leaves(key, value)
-              if leaf is None and f"final.{name}" not in runs.columns}
-    return runs.assign(**absent)
-
-
 def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     """Load ``protocol_path`` and its runs (from ``runs_dir``, default the protocol's ``out``).
 
@@ -132,7 +106,7 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
         try:
             runs = records.load_runs(run_dir)
             runs = runs[[Path(p).resolve() == run_dir.resolve() for p in runs["path"]]]
-            run_frames.append(_with_none_finals(runs, run_dir))
+            run_frames.append(runs)
             metric_frames.append(records.load_metrics(run_dir))
         except records.RecordError as err:
             problems.append((run_dir / records.RECORD_FILE, str(err)))

@@ -827,6 +827,12 @@ def _run_row(record: dict, path: Path) -> dict:
     }
     row.update(config_columns(run_params(record)))
     row.update({f"final.{name}": leaf for name, leaf in _numeric_leaves(record["final"])})
+    # A final that is None by design (CfC's lift_step when the lift never fired) is a NaN
+    # column, so it exists even when no run has a number there.
+    for key, value in record["final"].items():
+        for name, leaf in _leaves(key, value):
+            if leaf is None:
+                row.setdefault(f"final.{name}", math.nan)
     return row
 
 
@@ -844,7 +850,8 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
     that declare none). Nested config dicts and final metrics are flattened
-    with "/" (final names match tidy_metrics' metric names). Any unreadable
+    with "/" (final names match tidy_metrics' metric names); a final that is None
+    is a NaN column. Any unreadable
     record raises one RecordError listing every bad path. A ``root`` that is not a
     path (a list, an int, None) is a TypeError naming it.
     """

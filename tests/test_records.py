@@ -565,3 +565,15 @@ def test_a_path_argument_that_is_not_a_path_is_named(base_record, tmp_path):
     assert records.load_record(str(tmp_path / "a"))["run_id"] == "a"
     assert list(records.load_runs(str(tmp_path))["run_id"]) == ["a"]
     assert records.load_metrics(tmp_path).equals(records.load_metrics(str(tmp_path)))
+
+
+def test_load_runs_keeps_a_final_that_is_none_as_a_nan_column(tmp_path):
+    # CfC's lift_step is None when the lift never fired: with no run holding a number
+    # there, the column vanished and a report's lift table lost it.
+    record = records.new_record(run_id="a", kind="cfc_aux", config={"x": 1})
+    record.update(status="complete", final={"val_acc": 0.5, "lift_step": None,
+                                            "nested": {"k": None, "m": 2}})
+    records.save_run(tmp_path / "a", record)
+    runs = records.load_runs(tmp_path / "a")
+    assert math.isnan(runs["final.lift_step"].item()) and math.isnan(runs["final.nested/k"].item())
+    assert runs["final.val_acc"].item() == 0.5 and runs["final.nested/m"].item() == 2
