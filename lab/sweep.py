@@ -377,7 +377,9 @@ def _safe(text: str, safe: str) -> str:
     and digits of any script (NFC: one form per letter) as one "-"."""
     text = unicodedata.normalize("NFC", text)
     kept = "".join(c if c in safe or (not c.isascii() and c.isalnum()) else "\0" for c in text)
-    return re.sub("\0+", "-", kept).strip("-")
+    # Only the replaced runs at the ends go: a value's own minus sign stays (-0.001 and
+    # 0.001 are two runs, not one id).
+    return re.sub("\0+", "-", kept.strip("\0"))
 
 
 def _slug(value: Any) -> str:

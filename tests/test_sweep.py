@@ -720,3 +720,12 @@ def test_the_summary_counts_diverged_runs_apart():
     assert "3 runs, 3 executed, 0 already finished" in text and "1 failed, 1 diverged in" in text
     assert "  DIVERGED b: train_loss=inf at epoch 3" in text and "  FAILED c: ValueError: x" in text
     assert [o.run_id for o in report.diverged] == ["b"]
+
+
+def test_negative_grid_values_keep_their_sign_in_run_ids():
+    from lab.sweep import run_id_for
+
+    assert run_id_for({"drift": -0.001}) == "drift--0.001"
+    assert run_id_for({"drift": 0.001}) == "drift-0.001"
+    assert run_id_for({"x": "/a b/"}) == "x-a-b"  # replaced characters at the ends still go
+    assert len({run_id_for({"s": v}) for v in (-1.0, 1.0, -2, 2)}) == 4
