@@ -99,13 +99,18 @@ class Divergence:
     The training loss (``loss_key`` of a row) is non-finite, or above ``factor``
     times the loss at initialisation (:meth:`Lifecycle.baseline`; the first
     row's loss when none was given), or above ``cap``; or an evaluation loss
-    (``eval_keys``, in a row or the final metrics) is non-finite.
+    (``eval_keys``, in a row or the final metrics) is non-finite. A run that trains a
+    second arm beside the first (EP's backprop twin, CfC's auxiliary path) names that arm's
+    training losses in ``companion_keys``: one that is non-finite, or above ``factor`` times
+    its own first finite value, stops the run too, since the comparison the arm serves is
+    void from then on.
     """
 
     loss_key: str = "train_loss"
     eval_keys: tuple[str, ...] = ("val_loss", "test_loss")
     factor: float = 1e3
     cap: float = math.inf
+    companion_keys: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.factor > 1 or not self.cap > 0:
@@ -115,7 +120,7 @@ class Divergence:
     def check(self, values: dict, baseline: float | None, where: str) -> str | None:
         """Why ``values`` (a row or the final metrics) means divergence, or None."""
         loss = values.get(self.loss_key)
-        if isinstance(loss, int | float) and not isinstance(loss, bool):
+        if _number(loss):
             if not math.isfinite(loss):
                 return f"non-finite training loss {self.loss_key}={loss} at {where}"
             if loss > self.cap:
@@ -126,10 +131,35 @@ class Divergence:
                         f"{self.factor:g} x the loss at initialisation ({baseline:.4g})")
         for key in self.eval_keys:
             value = values.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool) \
-                    and not math.isfinite(value):
+            if _number(value) and not math.isfinite(value):
                 return f"non-finite evaluation loss {key}={value} at {where}"
         return None
+
+    def check_companions(self, row: dict, baselines: dict, where: str) -> str | None:
+        """Why a companion arm's loss in ``row`` means divergence, or None.
+
+        ``baselines`` maps each companion key to its first finite value; a key seen for
+        the first time is added to it.
+        """
+        for key in self.companion_keys:
+            value = row
+            for part in key.split("/"):  # "aux_huber_ema/h5" is a nested row entry
+                value = value.get(part) if isinstance(value, dict) else None
+            if not _number(value):
+                continue
+            if not math.isfinite(value):
+                return (f"non-finite {key}={value} at {where}: the companion arm diverged, "
+                        "so the comparison it serves is void")
+            first = baselines.setdefault(key, value)
+            if first > 0 and value > self.factor * first:
+                return (f"{key}={value:.4g} at {where} exceeds {self.factor:g} x its first "
+                        f"value ({first:.4g}): the companion arm diverged, so the "
+                        "comparison it serves is void")
+        return None
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _state(part):
@@ -192,6 +222,7 @@ class Lifecycle:
         self.finished = False
         self.status, self.error = "running", None
         self._baseline: float | None = None
+        self._companions: dict[str, float] = {}  # each companion loss's first finite value
         self._lock = contextlib.ExitStack()
         self._held = False
         self.record = records.new_record(
@@ -233,6 +264,10 @@ class Lifecycle:
         old = self._old_record()
         if old is not None:
             self._keep_run_id(old["run_id"])
+            if "notebook_params" in old and not runlock.held_by_parent(self.out):
+                # A call from Python on a notebook's run: what the notebook was asked stays
+                # part of the run (else a rerun with other notebook values would pass).
+                self.record["notebook_params"] = old["notebook_params"]
         ckpt = self.out / CHECKPOINT
         if ckpt.exists():
             state = self._read_checkpoint(ckpt)
@@ -244,6 +279,8 @@ class Lifecycle:
             self.status, self.error = state["status"], state["error"]
             records.truncate_rows(self.out, self.axis, done)
             self.rows_logged = records.read_rows(self.out, self.axis, done)
+            for row in self.rows_logged:  # the companions' first values, as first logged
+                self.divergence.check_companions(row, self._companions, "")
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json")
@@ -258,9 +295,16 @@ class Lifecycle:
             self.record["created"] = old["created"]
         self.record["rows"] = {self.axis: done}
         if self.status != "running":
+            self.finished = True
+            if old is not None and old["status"] == self.status \
+                    and old["rows"].get(self.axis) == done:
+                # Finished, and its record says so: nothing to do, nothing rewritten.
+                old.pop(records.ROW_KEYS[self.axis], None)
+                self.record = old
+                self.close()
+                return done
             # The checkpoint of a finished run (its record replaced since, e.g. by a
             # notebook that failed after training): the run's record is written back.
-            self.finished = True
             self.record.update(status=self.status, error=self.error,
                                final=old["final"] if old else {},
                                work=old["work"] if old else {})
@@ -354,7 +398,9 @@ class Lifecycle:
         if self._baseline is None and isinstance(row.get(self.divergence.loss_key), float):
             if math.isfinite(row[self.divergence.loss_key]):
                 self._baseline = row[self.divergence.loss_key]
-        why = self.divergence.check(row, self._baseline, f"{self.axis} {row[self.axis]}")
+        where = f"{self.axis} {row[self.axis]}"
+        why = self.divergence.check(row, self._baseline, where) \
+            or self.divergence.check_companions(row, self._companions, where)
         if why:
             self.status, self.error = "diverged", why
             self._save(checkpoint=True)

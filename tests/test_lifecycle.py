@@ -12,11 +12,13 @@ import os
 import random
 import signal
 import time
+import warnings
 
 import pytest
 import torch
 
 from lab import records
+from lab.config import as_dict
 from lab.lifecycle import CHECKPOINT, CheckpointError, Divergence, Expectation, Lifecycle
 from lab.train.synthetic import SyntheticConfig, train_synthetic
 
@@ -370,3 +372,108 @@ def test_train_wall_time_is_summed_over_sessions_up_to_the_last_row(tmp_path):
     wall = record["work"]["train_wall_s"]
     assert record["work"]["examples"] == 3
     assert saved["wall_s"] + 0.25 <= wall < saved["wall_s"] + 0.25 + 0.25  # 5 more rows only
+
+
+def _as_notebook_run(monkeypatch, out, params):
+    """The environment a parent notebook run sets for the trainer it starts."""
+    from lab import runlock
+
+    monkeypatch.setenv(runlock.ENV, str(out))
+    monkeypatch.setenv(runlock.PARAMS_ENV, json.dumps(params))
+
+
+def test_python_call_on_a_notebooks_run_keeps_what_the_notebook_was_asked(tmp_path,
+                                                                         monkeypatch):
+    # A direct call on a finished notebook run rewrote record.json without
+    # notebook_params, so a later `lab run` with other notebook values said "already
+    # complete with these parameters". Finished: the record is not touched at all.
+    from lab import runlock
+
+    out = tmp_path / "r"
+    with monkeypatch.context() as env:
+        _as_notebook_run(env, out, {"note": "keep"})
+        train_synthetic(SyntheticConfig(steps=10), out)
+    assert records.load_record(out)["notebook_params"] == {"note": "keep"}
+    assert runlock.ENV not in os.environ
+    before = (out / "record.json").read_bytes()
+    again = train_synthetic(SyntheticConfig(steps=10), out)
+    assert (out / "record.json").read_bytes() == before
+    assert again["notebook_params"] == {"note": "keep"} and len(again["steps"]) == 10
+
+
+def test_python_resume_of_an_interrupted_notebook_run_keeps_its_notebook_params(tmp_path,
+                                                                               monkeypatch):
+    out = tmp_path / "r"
+    config = SyntheticConfig(steps=20, checkpoint_every=5)
+    with monkeypatch.context() as env:
+        _as_notebook_run(env, out, {"note": "keep", "scale": 1.5})
+        _interrupt(config, out, after=12)
+    assert records.load_record(out)["notebook_params"] == {"note": "keep", "scale": 1.5}
+    done = train_synthetic(config, out)
+    assert done["status"] == "complete" and len(done["steps"]) == 20
+    assert records.load_record(out)["notebook_params"] == {"note": "keep", "scale": 1.5}
+
+
+def test_a_finished_run_whose_record_was_replaced_gets_its_record_back(tmp_path):
+    # The checkpoint says complete but the record was overwritten (a notebook that failed
+    # after training): the run's record is written back from the checkpoint, rows intact.
+    config = SyntheticConfig(steps=10)
+    first = train_synthetic(config, tmp_path / "r")
+    record = records.load_record(tmp_path / "r")
+    records.write_record(tmp_path / "r", {**record, "status": "failed", "error": "boom"})
+    again = train_synthetic(config, tmp_path / "r")
+    assert again["status"] == "complete" and again["error"] is None
+    assert again["steps"] == first["steps"] and again["final"] == first["final"]
+    assert records.load_record(tmp_path / "r")["status"] == "complete"
+
+
+def test_a_companion_arms_loss_diverges_by_its_own_first_value_or_non_finite():
+    policy = Divergence(companion_keys=("bp_train_loss", "aux/h5"))
+    seen: dict = {}
+    assert policy.check_companions({"bp_train_loss": 2.0, "aux": {"h5": 0.5}}, seen, "s 0") \
+        is None
+    assert seen == {"bp_train_loss": 2.0, "aux/h5": 0.5}
+    # Bounded by each arm's own first value (not the main loss's): 1000 x 0.5 = 500.
+    assert policy.check_companions({"bp_train_loss": 1999.0, "aux": {"h5": 499.0}}, seen,
+                                   "s 1") is None
+    why = policy.check_companions({"bp_train_loss": 3.0, "aux": {"h5": 501.0}}, seen, "step 7")
+    assert why.startswith("aux/h5=501 at step 7 exceeds 1000 x its first value (0.5)")
+    why = policy.check_companions({"bp_train_loss": math.nan}, seen, "step 8")
+    assert why.startswith("non-finite bp_train_loss=nan at step 8: the companion arm diverged")
+    # A row without the arm (an eval-only row, no aux path) is no evidence either way.
+    assert policy.check_companions({"train_loss": 1.0}, seen, "s 9") is None
+
+
+def test_a_diverging_backprop_twin_stops_the_ep_run(tmp_path):
+    # The twin blew up to NaN while the governor skipped every EP step, and the run ended
+    # `complete`: the comparison EP is judged by was void and the record said nothing.
+    from lab.train import EPConfig, train_ep
+
+    config = EPConfig(d_model=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=20,
+                      warmup_steps=0, eval_every=5, eval_batches=2, cosine_every=5,
+                      checkpoint_every=5, threads=1, progress=False, drift_bound=1e-9, lr=1e4,
+                      optimizer="sgd", grad_clip=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "EP never updated", the point of this run
+        record = train_ep(config, tmp_path / "ep")
+    assert record["status"] == "diverged" and len(record["steps"]) == 2
+    first = record["steps"][0]["bp_train_loss"]
+    assert record["error"].startswith(f"bp_train_loss={record['steps'][1]['bp_train_loss']:.4g}"
+                                      f" at step 1 exceeds 1000 x its first value ({first:.4g})")
+    assert records.load_record(tmp_path / "ep")["status"] == "diverged"
+
+
+def test_a_diverging_aux_path_stops_the_cfc_run(tmp_path):
+    from lab.train import CfCAuxConfig, train_cfc_aux
+
+    config = CfCAuxConfig(steps=40, batch_size=8, eval_every=5, threads=1, progress=False,
+                          units=8, aux_units=8, backbone_units=8, enc_dim=4, aux_lr=1e6,
+                          lift_window=0)
+    record = train_cfc_aux(config, tmp_path / "cfc")
+    assert record["status"] == "diverged" and len(record["steps"]) == 2
+    first = record["steps"][0]["aux_huber_ema"]["h1"]
+    assert record["error"].startswith("aux_huber_ema/h1=") and f"({first:.4g})" in record["error"]
+    # Healthy: the same run at a sane aux rate completes with the watch on.
+    healthy = train_cfc_aux(CfCAuxConfig(**{**as_dict(config), "aux_lr": 1e-3, "steps": 10}),
+                            tmp_path / "ok")
+    assert healthy["status"] == "complete"

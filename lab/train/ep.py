@@ -584,7 +584,7 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
     The record's ``steps`` holds one row per step (see :func:`expectation`); with ``out_dir``
     a killed run resumes from its last checkpoint of the same config.
     """
-    from ..lifecycle import Lifecycle, check_start
+    from ..lifecycle import Divergence, Lifecycle, check_start
 
     check_start(config, EPConfig, out_dir, caller="train_ep")  # before anything is made
     run = build_ep(config)
@@ -592,6 +592,9 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
                    checkpoint_every=config.checkpoint_every, progress=config.progress,
                    desc=f"ep seed {config.seed}",
+                   # The twin is the reference EP is judged by: its blowing up voids the run.
+                   divergence=Divergence(eval_keys=("val_loss", "bp_val_loss"),
+                                         companion_keys=("bp_train_loss",)),
                    data={"text": text_identity(config.text_path),
                          "split": run.corpus.split_sizes()}) as life:
         done = life.start()
