@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from . import runlock
-from .config import ConfigError, as_dict, load_yaml, read_yaml_mapping
+from .config import ConfigError, DuplicateKeyError, as_dict, load_yaml, read_yaml_mapping
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,18 +47,22 @@ _NULL = re.compile(r"^(?:null|Null|NULL|~)$")
 _NON_FINITE = ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity", "nan")
 
 
-def parse_value(text: str):
+def parse_value(text: str, key: str | None = None):
     """A CLI literal -> int, float, bool, None, list/dict or str, read as a parameter
     file reads it (YAML 1.2: ``010`` is ten, ``1e-3`` a float, ``2026-11-30`` a string).
 
     What YAML would turn into nothing stays the text: ``-p x ""`` is the empty string and
     ``-p x '#tag'`` is ``'#tag'`` (not a comment); only null or ``~`` is None. ``inf`` and
-    ``nan`` (any case) are floats, as Python reads them.
+    ``nan`` (any case) are floats, as Python reads them. A mapping that gives a key
+    twice is a ConfigError naming ``key`` (the -p key), as it is in a file.
     """
     if text.strip().lower() in _NON_FINITE:
         return float(text)
     try:
         value = load_yaml(text)
+    except DuplicateKeyError as err:  # a dict, but which value was meant is unknown
+        where = f"-p {key} {text!r}" if key is not None else repr(text)
+        raise ConfigError(f"{where}: {err.problem}") from None
     except yaml.YAMLError:
         return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
     if value is None and not _NULL.match(text.strip()):
@@ -86,7 +90,7 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
             raise ConfigError(f"-p {key} is given twice ({given[key]!r} and {value!r}); give "
                               "each parameter once")
         given[key] = value
-    layers.append(("as -p", {key: parse_value(value) for key, value in given.items()}))
+    layers.append(("as -p", {key: parse_value(value, key) for key, value in given.items()}))
     for where, layer in layers:
         for key in layer:
             # `-p a '{b: 1}' -p a.b 2`: a.b given twice, once inside a's dict
@@ -301,8 +305,10 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     if target.suffix in (".yaml", ".yml"):
         from .sweep import expand, load_protocol, mark_stale, stale_runs
 
-        # Validated as a sweep would (a protocol the sweep refuses is not listed as "missing")
-        protocol = load_protocol(target)
+        # Validated as a sweep would (a protocol the sweep refuses is not listed as
+        # "missing"), but not against this machine: a listing starts nothing, and runs made
+        # on a GPU cluster (device cuda, data files there) are listed on a laptop.
+        protocol = load_protocol(target, preflight=False)
         specs = expand(protocol)
         expected = [spec.run_id for spec in specs]
         root = Path(protocol.out)
@@ -434,6 +440,54 @@ def _report(args) -> int:
     return 0
 
 
+# A -p value argparse would take for an option: a negative number it does not know as
+# one (it knows -5 and -0.5, not -1e-3 or -.5e-1).
+_NEGATIVE_NUMBER = re.compile(r"^-(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+                              r"|\.?inf(?:inity)?)$", re.IGNORECASE)
+_SHIELD = "\0"  # put before such a value so argparse reads it as a value; taken off after
+
+
+class ArgvError(ValueError):
+    """A command line argparse would misread (e.g. -p KEY followed by an option)."""
+
+
+def _is_param_flag(token: str) -> bool:
+    return token == "-p" or (len(token) >= 3 and "--param".startswith(token))
+
+
+def shield_values(argv: list[str]) -> list[str]:
+    """``argv`` with each ``-p KEY VALUE`` whose VALUE starts with "-" made safe for
+    argparse: a number (``-1e-3``, ``-.5e-1``, ``-inf``) is shielded, so it stays the
+    value; anything else after ``-p KEY`` that starts with "-" is an option where the
+    value should be, an ArgvError that says so."""
+    out = list(argv)
+    if not out or out[0] not in ("train", "run"):  # the commands that take -p
+        return out
+    i = 1
+    while i < len(out):
+        token = out[i]
+        if token == "--":
+            break
+        if not _is_param_flag(token) or i + 2 >= len(out):
+            i += 1
+            continue
+        key, value = out[i + 1], out[i + 2]
+        if value.startswith("-") and value != "-":
+            if not _NEGATIVE_NUMBER.match(value):
+                raise ArgvError(
+                    f"{token} {key} has no value: next comes {value!r}, which is read as an "
+                    "option; give -p KEY VALUE (a text value that starts with '-' can be "
+                    f"written with a space before it: {token} {key} ' {value}')")
+            out[i + 2] = _SHIELD + value
+        i += 3
+    return out
+
+
+def _unshield(args) -> None:
+    if getattr(args, "param", None):
+        args.param = [[key, value.removeprefix(_SHIELD)] for key, value in args.param]
+
+
 def _params_args(parser) -> None:
     parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                         help="a parameter (value parsed as YAML; a dotted key sets one key "
@@ -480,7 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--out", default="reports",
                         help="reports directory (default: reports/ in the current directory)")
     report.set_defaults(func=_report)
+    try:
+        argv = shield_values(sys.argv[1:] if argv is None else argv)
+    except ArgvError as exc:
+        return _error(exc)
     args = parser.parse_args(argv)
+    _unshield(args)
     try:
         return args.func(args)
     except BrokenPipeError:

@@ -82,6 +82,30 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+# YAML 1.1 (and many tools) read these as booleans; parameter files and -p read YAML 1.2,
+# where only true/false are.
+_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+
+
+def _accepts(annotation: Any, kind: type) -> bool:
+    """Whether the field's type (or one arm of its union) is ``kind``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_accepts(arg, kind) for arg in typing.get_args(annotation))
+    return annotation is kind or typing.get_origin(annotation) is kind
+
+
+def _type_hint(value: Any, annotation: Any) -> str:
+    """How to write the value the field wants, for a string that looks like one: the
+    command line and YAML files hand over text such as ``yes`` or ``(1, 5)``."""
+    if not isinstance(value, str):
+        return ""
+    if _accepts(annotation, bool) and value.strip().lower() in _BOOL_WORDS:
+        return "; write true or false (only those are booleans in a parameter or -p value)"
+    if _accepts(annotation, tuple):
+        return "; give a YAML list such as [1, 5, 20]"
+    return ""
+
+
 def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
@@ -91,6 +115,10 @@ def _interval(lo, hi, lo_open, hi_open) -> str:
     left = "(" if lo_open or lo is None else "["
     right = ")" if hi_open or hi is None else "]"
     return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping (PyYAML would keep the last silently)."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -115,7 +143,7 @@ class _Loader(yaml.SafeLoader):
                 continue
             if first is not None:
                 where = f"line {line}" if first == line else f"lines {first} and {line}"
-                raise yaml.constructor.ConstructorError(
+                raise DuplicateKeyError(
                     None, None, f"key {key!r} is given twice ({where}); give each key once",
                     key_node.start_mark)
             seen[key] = line
@@ -199,7 +227,7 @@ def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) ->
     if not _type_ok(value, annotation):
         raise ConfigError(
             f"{owner}.{name} must be {_type_name(annotation)}, got {value!r} "
-            f"({type(value).__name__})"
+            f"({type(value).__name__}){_type_hint(value, annotation)}"
         )
     if "choices" in metadata and value not in metadata["choices"]:
         allowed = ", ".join(repr(c) for c in metadata["choices"])

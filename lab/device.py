@@ -12,6 +12,9 @@ import torch
 from .config import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
+# Threads beyond this many per usable core are refused at run start (more than the
+# cores is only slower, and warns; this far beyond them the run stalls).
+MAX_THREADS_PER_CORE = 4
 
 
 def resolve_device(name: str) -> torch.device:
@@ -29,6 +32,9 @@ def resolve_device(name: str) -> torch.device:
 def set_threads(threads: int) -> int:
     """0 keeps torch's default; returns the thread count in force.
 
+    More threads than usable cores warns; more than ``MAX_THREADS_PER_CORE`` times
+    the cores raises ConfigError.
+
     Numba's parallel kernels (``numba_kernels``) get the same count, so the two
     thread pools do not oversubscribe the cores (thread-local: call it in the
     thread that trains).
@@ -39,6 +45,16 @@ def set_threads(threads: int) -> int:
         from .sweep import usable_cores  # (torch-free, so `lab runs` stays quick)
 
         cores = usable_cores()
+        if threads > MAX_THREADS_PER_CORE * cores:
+            # Refused here, at run start, not in the config: a record written on a big
+            # machine must still load on a laptop. Far beyond the cores, the thread pools
+            # spend the run on setup and contention (1000 threads on 2 cores: no step in
+            # ten minutes), which looks like a hang rather than an error.
+            raise ConfigError(
+                f"threads={threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) "
+                f"this process may use (at most {MAX_THREADS_PER_CORE * cores} allowed here): "
+                f"so many threads would stall the run; use threads={cores} (or 0, torch's "
+                "default)")
         if threads > cores:
             # Not refused: a config may be written on one machine and run on a larger one.
             warnings.warn(f"threads={threads} is more than the {cores} core(s) this process "

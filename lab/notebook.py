@@ -385,8 +385,31 @@ def asked_differences(record: Mapping, resolved: Resolved) -> list[str]:
     A record from before notebooks' own parameters were kept holds the config only:
     then the config alone is compared."""
     if "notebook_params" in record or not resolved.extras:
-        return config_differences(records.run_params(record), resolved.asked(), resolved.full)
-    return config_differences(record["config"], resolved.config, resolved.full)
+        then, now = records.run_params(record), resolved.asked()
+    else:
+        then, now = record["config"], resolved.config
+    return config_differences(then, _same_data_dir(then, now, record), resolved.full)
+
+
+def _same_data_dir(then: Mapping, now: Mapping, record: Mapping) -> Mapping:
+    """``now`` with its ``data_dir`` set to the run's when both name one directory.
+
+    ``data_dir: ""`` stands for ``$LAB_DATA_DIR`` (else ~/.cache/lab) as it is where the
+    config is used, so the literal alone cannot tell: "" now with $LAB_DATA_DIR at the
+    directory the run read is the same run (the recorded data identity, compared
+    apart, tells whether its content changed); "" with $LAB_DATA_DIR elsewhere is not.
+    """
+    old, new = then.get("data_dir"), now.get("data_dir")
+    if not (isinstance(old, str) and isinstance(new, str)) or old == new or (old and new):
+        return now
+    from .data import default_data_dir  # (torch: only for a config that has a data_dir)
+    from .data.identity import absolute
+
+    data = record.get("data")
+    read = data.get("dir") if isinstance(data, dict) else None  # the directory it read
+    there = old or read or str(default_data_dir())
+    here = new or str(default_data_dir())
+    return {**now, "data_dir": old} if absolute(there) == absolute(here) else now
 
 
 def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[str]:

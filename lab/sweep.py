@@ -30,7 +30,7 @@ dotted key inside a grid key's dicts.
 
 :func:`expand` turns the grid into runs with stable, readable ids
 (``rule-kp_rule_params.traffic_rule-raw_seed-0``: sorted grid keys; see
-:func:`run_id_for` for non-ASCII and long values).
+:func:`run_id_for` for values that their text does not name exactly, and long ids).
 :func:`run_sweep` decides each run from its record.json, the single source of
 a run's status (:func:`lab.notebook.decide`): a run finished with the
 protocol's resolved config (defaults filled in, display-only fields aside) is
@@ -77,13 +77,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import records
 from .config import ConfigError, bounded, field_names, read_yaml_mapping, validate
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
-_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-")
-_KEY_CHARS = _ID_CHARS - {"=", ","} | {"_"}  # a dict key inside an id: a parameter name
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-_")
+_KEY_CHARS = _ID_CHARS - {"=", ","}  # a dict key inside an id: a parameter name
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
 
 
@@ -325,40 +327,44 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
     return spec
 
 
-def _check_runs(protocol: Protocol, spec) -> None:
+def _check_runs(protocol: Protocol, spec, preflight: bool = True) -> None:
     """Build every run's config before any kernel starts; one error lists each
-    distinct problem with the runs it affects."""
+    distinct problem with the runs it affects. ``preflight``: also what this machine
+    and its files decide (a device, a data file), which only matters to runs to be made."""
     from .notebook import resolve_parameters
 
     problems: dict[str, list[str]] = {}
     specs = expand(protocol)
     for run in specs:
         try:
-            resolve_parameters(protocol.notebook, run.params, spec)
+            resolve_parameters(protocol.notebook, run.params, spec, preflight=preflight)
         except ConfigError as err:
             problems.setdefault(str(err), []).append(run.run_id)
     if problems:
         n = sum(map(len, problems.values()))
         listed = "; ".join(f"{message} (run{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
                            for message, ids in problems.items())
+        outcome = "so none was started" if preflight else "so its runs cannot be listed"
         raise ProtocolError(f"protocol {protocol.source}: {n} of {len(specs)} runs have "
-                            f"parameters the notebook refuses, so none was started: {listed}")
+                            f"parameters the notebook refuses, {outcome}: {listed}")
 
 
-def load_protocol(path, *, configs: bool = True) -> Protocol:
+def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Protocol:
     """Read and validate a protocol: its keys, its notebook, its parameters (every
     run's, built into the notebook's config class when it names one) and that
     its grid gives distinct run ids. Each problem is a ProtocolError.
 
     ``configs=False`` skips building the configs (and importing the config
-    class, hence torch): for analyses of runs already made.
+    class, hence torch): for analyses of runs already made. ``preflight=False``
+    builds them but leaves out what this machine decides (a CUDA device, a data file
+    that exists where the runs were made): for listing runs made elsewhere.
     """
     path = Path(path).resolve()
     protocol = _build(_read_yaml(path), path)
     spec = _check_notebook(protocol, configs)
     expand(protocol)  # duplicate run ids are a protocol error, found now
     if configs:
-        _check_runs(protocol, spec)
+        _check_runs(protocol, spec, preflight)
     return protocol
 
 
@@ -382,39 +388,93 @@ def _safe(text: str, safe: str) -> str:
     return re.sub("\0+", "-", kept.strip("\0"))
 
 
-def _slug(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
+def _reads_back(text: str, value: Any) -> bool:
+    """Whether ``text``, read as a -p value or a YAML file reads it, is ``value`` itself
+    (same type: the string "1" is not the int 1, "True" is not true)."""
+    from .config import load_yaml
+
+    try:
+        back = load_yaml(text)
+    except yaml.YAMLError:
+        return False
+    return type(back) is type(value) and back == value
+
+
+def _label(value: Any) -> tuple[str, bool]:
+    """(readable form, whether it names ``value`` exactly): a value is named exactly when
+    its text is kept as it is and reads back as the same value of the same type."""
     if isinstance(value, dict):
-        return ",".join(f"{_safe(str(key), _KEY_CHARS)}={_slug(item)}"
-                        for key, item in sorted(value.items()))
+        parts = [(_safe(str(key), _KEY_CHARS), str(key), *_label(item))
+                 for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))]
+        return (",".join(f"{safe}={slug}" for safe, _, slug, _ in parts),
+                all(safe == key and exact for safe, key, _, exact in parts))
     if isinstance(value, list | tuple):
-        return "+".join(_slug(item) for item in value)
-    # Run ids name directories: anything but a few safe characters becomes "-".
+        labels = [_label(item) for item in value]
+        return "+".join(slug for slug, _ in labels), all(exact for _, exact in labels)
+    if value is None:
+        return "None", True  # as ids have always read (the string "None" is told apart
+        # only when both are in one grid: see _clashing)
+    if isinstance(value, bool):
+        return str(value).lower(), True
     text = str(value)
     slug = _safe(text, _ID_CHARS)
-    dropped = any(not c.isascii() and not c.isalnum()
-                  for c in unicodedata.normalize("NFC", text))
-    if dropped:  # symbols beyond ASCII (emoji...): told apart by their digest
-        return f"{slug}-{_digest(text)}" if slug else _digest(text)
-    return slug or "none"
+    return slug, slug == text and _reads_back(text, value)
 
 
-def run_id_for(grid_point: dict) -> str:
+def _digest_of(value: Any) -> str:
+    # A string's own text (so a non-ASCII value's id is what it always was), else its
+    # JSON: the int 1 and the string "1" hash apart.
+    if isinstance(value, str):
+        return _digest(value)
+    return _digest(json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr))
+
+
+def _slug(value: Any, *, clash: bool = False) -> str:
+    """The value's part of a run id: its readable form, followed by a digest when that
+    form does not name it exactly, or when ``clash`` (another value of the grid key reads
+    the same, letter case aside)."""
+    slug, exact = _label(value)
+    if exact and not clash:
+        return slug
+    return f"{slug}-{_digest_of(value)}" if slug else _digest_of(value)
+
+
+def _identity(value: Any) -> str:
+    """One string per distinct grid value (1, 1.0, "1" and true apart)."""
+    return f"{type(value).__name__}:{json.dumps(value, sort_keys=True, default=repr)}"
+
+
+def _clashing(values: list) -> set[str]:
+    """The identities of the values whose ids would coincide ignoring letter case: one
+    directory on a case-insensitive file system (macOS, Windows)."""
+    seen: dict[str, set[str]] = {}
+    for value in values:
+        seen.setdefault(_slug(value).casefold(), set()).add(_identity(value))
+    return {ident for idents in seen.values() if len(idents) > 1 for ident in idents}
+
+
+def run_id_for(grid_point: dict, grid: dict | None = None) -> str:
     """``key-value`` pairs in sorted key order, joined by ``_``: stable and readable.
 
-    A value keeps ASCII letters, digits and ``. = , + -`` and the letters and digits
-    of any script (``note-α``); any other run of characters becomes one ``-``
-    (``a/b c`` -> ``a-b-c``; two values that then look alike are refused by
-    :func:`expand` as duplicate ids). A value with other non-ASCII characters (emoji,
-    symbols) gets the first 8 hex digits of its sha256 appended, so such values stay
-    apart. An id longer than ``MAX_RUN_ID_BYTES`` bytes of UTF-8 (a file name is at
-    most 255, and ``--force`` appends ``.old-<time>``) is cut there and ends in
-    ``-`` and the sha256 digits of the whole id: distinct, stable, and still a name
-    the file system takes. (An ASCII value's id is what it always was; a non-ASCII
-    letter used to become ``-``.)
+    A value is written as itself when that text names it exactly: it holds only ASCII
+    letters, digits and ``. = , + - _`` and the letters and digits of any script, and
+    reads back (as -p reads it) as the same value of the same type (``seed-0``,
+    ``lr-0.001``, ``drift--0.001``, ``rule-kp_traffic``, ``note-α``; null is ``None``).
+    Otherwise the kept characters (each other run of characters becomes one ``-``) are
+    followed by ``-`` and the first 8 hex digits of the value's sha256, so distinct
+    values give distinct ids: ``a b`` -> ``a-b-<hash>``, an emoji or the empty string
+    -> the hash alone, a string that reads as another type (``"1"``, ``"True"``) ->
+    ``1-<hash>``. With ``grid`` (key -> all its values, as :func:`expand` passes it),
+    values of one key whose ids would be equal ignoring letter case (``b`` and ``B``:
+    one directory on macOS) all get the hash too. An id longer than
+    ``MAX_RUN_ID_BYTES`` bytes of UTF-8 (a file name is at most 255, and ``--force``
+    appends ``.old-<time>``) is cut there and ends in ``-`` and the sha256 digits of
+    the whole id: distinct, stable, and still a name the file system takes.
     """
-    run_id = "_".join(f"{key}-{_slug(grid_point[key])}" for key in sorted(grid_point))
+    clashes = {key: _clashing(grid[key]) for key in grid_point if key in (grid or {})}
+    run_id = "_".join(
+        f"{key}-{_slug(value, clash=_identity(value) in clashes.get(key, ()))}"
+        for key, value in sorted(grid_point.items()))
     if len(run_id.encode("utf-8")) <= MAX_RUN_ID_BYTES:
         return run_id
     room = MAX_RUN_ID_BYTES - _DIGITS - 1
@@ -504,14 +564,17 @@ def expand(protocol: Protocol) -> list[RunSpec]:
     for values in itertools.product(*(protocol.grid[key] for key in keys)):
         point = dict(zip(keys, values))
         params = {**protocol.fixed, **protocol.overrides_for(point), **point}
-        specs.append(RunSpec(run_id_for(point), params, point))
-    counts = Counter(spec.run_id for spec in specs)
+        specs.append(RunSpec(run_id_for(point, protocol.grid), params, point))
+    # Letter case aside: ids that differ only in case are one directory on macOS.
+    counts = Counter(spec.run_id.casefold() for spec in specs)
     duplicated = sorted(run_id for run_id, n in counts.items() if n > 1)
     if duplicated:
-        clashes = "; ".join(
-            f"{run_id} from " + " and ".join(
-                json.dumps(s.grid, sort_keys=True) for s in specs if s.run_id == run_id)
-            for run_id in duplicated)
+        def clash(folded: str) -> str:
+            same = [s for s in specs if s.run_id.casefold() == folded]
+            return (" / ".join(dict.fromkeys(s.run_id for s in same)) + " from "
+                    + " and ".join(json.dumps(s.grid, sort_keys=True) for s in same))
+
+        clashes = "; ".join(map(clash, duplicated))
         raise ProtocolError(f"protocol {protocol.source or protocol.name}: the grid gives "
                             f"duplicate run ids: {clashes}; make the grid values distinct")
     return specs

@@ -441,6 +441,10 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     I = _population("I", I, like=h)  # noqa: E741
     # Without a norm o is not read (L(X) needs only the mask and scale); given, it must
     # still be the population's shape, or a caller's mistake would pass unseen.
+    if o is None and mean is not None:
+        raise TypeError("o is None, but mean / invstd were given: the norm's backward reads "
+                        "o, the layer's output before the norm (B, Ch, *S); pass o, or "
+                        "leave out mean, invstd and gamma for a layer without a norm")
     o = _population("o", o, like=h) if (o is not None or mean is not None) else None
     o = h if mean is None else o
     C, P, b = (_per_unit(n, t, h) for n, t in (("C", C), ("P", P), ("b", b)))
@@ -535,6 +539,11 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     _refuse_overlap("P", P, {"b": b, "h": h, "T": T}, exact_ok=False)
     _refuse_overlap("b", b, {"h": h, "T": T}, exact_ok=False)
     lr = _scalar("eta", eta, h.dtype)
+    if lr < 0:
+        # A negative step moves P and b away from the least-squares fit: the predictor
+        # would amplify the traffic it is meant to remove (the rules use eta_P in (0, 1]).
+        raise ValueError(f"eta={lr!r} is negative; the NLMS step size must be >= 0 (the "
+                         "rules' predictor_lr is in (0, 1]; 0 leaves P and b unchanged)")
     form = _form(backend, h.device)
     if form == "torch":
         return reference.predictor_update_reference(h, T, P, b, lr)

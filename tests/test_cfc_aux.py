@@ -453,7 +453,7 @@ def test_lift_window_is_exclusive_and_the_lift_irreversible():
     assert row["lifted"] == 0 and row["lift_step"] is None and not run.health.lifted
     row = train_step(run, 3)
     assert row["lifted"] == 1 and row["lift_step"] == 3
-    run.config = dataclasses.replace(config, lift_huber=1e-9, lift_acc=1.0)  # never healthy
+    run.config = dataclasses.replace(config, lift_huber=1e-9, lift_acc=0.999)  # never healthy
     row = train_step(run, 2)
     assert row["lifted"] == 1 and row["lift_step"] == 3 and run.health.lifted
 
@@ -652,8 +652,11 @@ def test_relative_csv_path_is_made_absolute_and_a_missing_one_refused(tmp_path, 
     monkeypatch.chdir(tmp_path)
     config = CfCAuxConfig(source="csv", csv_path="p.csv", column="close")
     assert config.csv_path == str(tmp_path / "p.csv")
+    # It builds (a config naming a file that exists only on the cluster its runs were made
+    # on still lists them); it cannot start.
+    gone = CfCAuxConfig(source="csv", csv_path="gone.csv", column="close")
     with pytest.raises(ConfigError) as err:
-        CfCAuxConfig(source="csv", csv_path="gone.csv", column="close")
+        gone.preflight()
     assert str(err.value) == (f"CfCAuxConfig.csv_path={str(tmp_path / 'gone.csv')!r} does not "
                               "exist or is not a file; expected a CSV file with a header row "
                               "naming column='close'")
@@ -693,10 +696,13 @@ def test_resume_on_a_changed_csv_is_refused_and_the_record_names_the_data(tmp_pa
 
 
 def test_record_holds_the_split_the_loader_made():
-    with pytest.warns(UserWarning, match=r"val_fraction=0.2 cannot be honoured"):
+    with pytest.warns(UserWarning) as caught:
         record = train_cfc_aux(CfCAuxConfig(source="vega", symbol="GOOG", steps=2,
                                             eval_every=0, progress=False, threads=1,
                                             device="cpu"))
+    messages = [str(w.message) for w in caught]
+    assert any("val_fraction=0.2 cannot be honoured" in m for m in messages), messages
+    assert any("batch_size=32 is more than the 2 training examples" in m for m in messages)
     # GOOG's 68 months at the default window, seq_len and horizons: the clamp gives 2 / 4.
     assert record["data"] == {"split": {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}}
 
@@ -776,3 +782,30 @@ def test_the_trials_bad_csvs_are_refused_before_a_run_naming_the_file(tmp_path, 
     config = CfCAuxConfig(source="csv", csv_path=str(path), column="price")
     with pytest.raises(ConfigError, match=r"^CfCAuxConfig: " + message):
         config.preflight()
+
+
+# --- trial6 findings F3 and minor notes: an unreachable lift_acc, oversized batches ----------
+
+
+def test_lift_acc_of_one_is_refused_as_it_could_never_be_passed():
+    # The lift needs accuracy EMA > lift_acc, and an accuracy is never above 1.
+    with pytest.raises(ConfigError) as err:
+        CfCAuxConfig(lift_acc=1.0)
+    assert str(err.value) == "CfCAuxConfig.lift_acc=1.0 is out of range; allowed: [0.0, 1.0)"
+    assert CfCAuxConfig(lift_acc=0.0).lift_acc == 0.0  # the lower end still allowed
+    assert CfCAuxConfig(lift_acc=0.999).lift_acc == 0.999
+
+
+def test_a_batch_larger_than_the_training_split_warns_naming_both():
+    import warnings
+
+    n_train = build_run(_config()).data.split_sizes()["n_train"]
+    with pytest.warns(UserWarning) as caught:
+        build_run(_config(batch_size=n_train + 1))
+    assert [str(w.message) for w in caught] == [
+        f"CfCAuxConfig.batch_size={n_train + 1} is more than the {n_train} training examples "
+        "of synthetic random_walk: each batch draws examples with replacement, so it repeats "
+        f"them; batch_size <= {n_train} draws fewer repeats"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_run(_config(batch_size=n_train))  # every example once, on average: silent

@@ -619,3 +619,148 @@ def test_lab_runs_refuses_a_protocol_the_sweep_refuses(tmp_path, capsys):
     assert cli_main(["runs", str(path)]) == 2
     err = capsys.readouterr().err
     assert "ConvConfig.nesterov must be bool, got 'yes'" in err and "missing" not in err
+
+
+# ---------------------------------------------------------------------------
+# trial 6: `lab runs` lists runs made elsewhere; -p takes any YAML number; -p dicts
+
+
+def _conv_protocol(tmp_path: Path, fixed: dict) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "notebook": str(TRAIN), "out": "runs",
+                                    "fixed": fixed, "grid": {"seed": [0]}}))
+    return path
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_lab_runs_lists_runs_made_on_a_gpu_machine_but_sweep_refuses(tmp_path, capsys):
+    from lab.notebook import resolve_parameters
+
+    fixed = {"epochs": 1, "device": "cuda"}
+    path = _conv_protocol(tmp_path, fixed)
+    # The run as a GPU machine made it: its whole resolved config, device cuda.
+    config = resolve_parameters(TRAIN, {**fixed, "seed": 0}, preflight=False).config
+    assert config["device"] == "cuda"
+    record = records.new_record(run_id="seed-0", kind="conv", config=config)
+    record["status"] = "complete"
+    records.save_run(tmp_path / "runs" / "seed-0", record)
+    assert cli_main(["runs", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "seed-0" in out and "complete" in out and "missing" not in out
+    # A sweep would start runs here: this machine's check still applies.
+    assert cli_main(["sweep", str(path), "-q"]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "1 of 1 runs have parameters the notebook refuses, so none was started: " in err
+    assert "cuda" in err
+
+
+def test_lab_runs_lists_runs_whose_csv_exists_only_where_they_were_made(tmp_path, capsys):
+    # The file check was in the config's construction, so `lab runs` refused to list
+    # them ("does not exist") though `lab report` rendered them.
+    from lab.notebook import resolve_parameters
+
+    cfc = ROOT / "notebooks" / "03-train-cfc-aux.ipynb"
+    fixed = {"steps": 10, "source": "csv", "csv_path": "/cluster/data/prices.csv",
+             "column": "close"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"name": "p", "notebook": str(cfc), "out": "runs",
+                                    "fixed": fixed, "grid": {"seed": [0]}}))
+    config = resolve_parameters(cfc, {**fixed, "seed": 0}, preflight=False).config
+    record = records.new_record(run_id="seed-0", kind="cfc_aux", config=config)
+    record["status"] = "complete"
+    records.save_run(tmp_path / "runs" / "seed-0", record)
+    assert cli_main(["runs", str(path)]) == 0
+    assert "complete" in capsys.readouterr().out
+    assert cli_main(["sweep", str(path), "-q"]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "so none was started: CfCAuxConfig.csv_path='/cluster/data/prices.csv' does not " \
+        "exist or is not a file" in err
+
+
+def test_lab_runs_still_refuses_a_bad_type_in_its_own_words(tmp_path, capsys):
+    path = _conv_protocol(tmp_path, {"nesterov": "on"})
+    assert cli_main(["runs", str(path)]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "so its runs cannot be listed: ConvConfig.nesterov must be bool, got 'on' (str); " \
+        "write true or false" in err
+    assert "started" not in err
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The parameters `lab run` would execute with, without running anything."""
+    seen = {}
+
+    def execute(notebook, out, params, **kwargs):
+        seen.update(params)
+        raise ConfigError("captured")
+
+    monkeypatch.setattr(lab.notebook, "execute", execute)
+    return seen
+
+
+@pytest.mark.parametrize("text, value", [("-1e-3", -0.001), ("-1E+2", -100.0),
+                                         ("-.5e-1", -0.05), ("-5", -5), ("-0.25", -0.25),
+                                         ("-inf", -math.inf)])
+def test_a_negative_number_is_a_p_value(tmp_path, capsys, captured, text, value):
+    assert cli_main(["run", str(ECHO), "--out", str(tmp_path / "r"), "-p", "x", text,
+                     "--param", "fail_on", text]) == 2
+    assert "captured" in capsys.readouterr().err  # argparse let it through
+    assert captured == {"x": value, "fail_on": value}
+    assert type(captured["x"]) is type(value)
+
+
+def test_a_negative_number_reaches_the_config_through_lab_train(tmp_path, capsys, no_kernel):
+    for args, message in ((["-p", "lr", "-1e-3"], "ConvConfig.lr=-0.001 is out of range"),
+                          (["-p", "epochs", "-1E+2"],
+                           "ConvConfig.epochs must be int, got -100.0 (float)"),
+                          (["-p", "momentum", "-.5e-1"], "ConvConfig.momentum=-0.05 is out of "
+                                                         "range")):
+        assert cli_main(["train", "--out", str(tmp_path / "r"), *args]) == 2
+        assert message in _one_paragraph(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("command", [["train"], ["run", str(ECHO)]])
+def test_an_option_where_a_p_value_belongs_is_named(tmp_path, capsys, no_kernel, command):
+    for option in ("--force", "-f", "--out"):
+        assert cli_main([*command, "--out", str(tmp_path / "r"), "-p", "x", option]) == 2
+        err = _one_paragraph(capsys.readouterr().err)
+        assert f"error: -p x has no value: next comes '{option}', which is read as an " \
+            "option; give -p KEY VALUE" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_text_value_with_a_leading_space_is_the_word(tmp_path, capsys, captured):
+    # The way out the error names: ' -abc' is the text -abc.
+    assert cli_main(["run", str(ECHO), "--out", str(tmp_path / "r"), "-p", "x", " -abc"]) == 2
+    assert captured == {"x": "-abc"}
+
+
+def test_a_key_given_twice_inside_a_p_dict_is_refused(tmp_path, capsys, no_kernel):
+    from lab.cli import parse_value
+
+    cases = [(["train"], "rule_params", "{traffic_rule: raw, traffic_rule: none}",
+              "error: -p rule_params '{traffic_rule: raw, traffic_rule: none}': key "
+              "'traffic_rule' is given twice (line 1); give each key once"),
+             (["run", str(ECHO)], "opts", "{scale: 2, scale: 3}",
+              "error: -p opts '{scale: 2, scale: 3}': key 'scale' is given twice (line 1); "
+              "give each key once")]
+    for command, key, value, message in cases:
+        assert cli_main([*command, "--out", str(tmp_path / "r"), "-p", key, value]) == 2
+        assert _one_paragraph(capsys.readouterr().err).strip() == message
+        assert not (tmp_path / "r").exists()
+    # Text that is not YAML at all is still the text itself, for the config to judge.
+    assert parse_value("[fast") == "[fast" and parse_value("{a: 1, b: 2}") == {"a": 1, "b": 2}
+
+
+def test_yes_and_a_tuple_as_text_say_how_to_write_them(tmp_path, capsys, no_kernel):
+    assert cli_main(["train", "--out", str(tmp_path / "r"), "-p", "nesterov", "yes"]) == 2
+    assert "ConvConfig.nesterov must be bool, got 'yes' (str); write true or false" in \
+        _one_paragraph(capsys.readouterr().err)
+    cfc = ROOT / "notebooks" / "03-train-cfc-aux.ipynb"
+    assert cli_main(["run", str(cfc), "--out", str(tmp_path / "r"), "-p", "horizons",
+                     "(1,5)"]) == 2
+    assert "CfCAuxConfig.horizons must be tuple, got '(1,5)' (str); give a YAML list such as " \
+        "[1, 5, 20]" in _one_paragraph(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()

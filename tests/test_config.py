@@ -117,3 +117,59 @@ def test_a_trainer_config_built_directly_names_an_unknown_key(name):
                                           r".*\bseed\b"):
         cls(bogus=1, seed=3)
     assert cls(seed=3).seed == 3 and dataclasses.replace(cls(), seed=4).seed == 4
+
+
+# ---------------------------------------------------------------------------
+# a wrong type given as text says how to write the right one
+
+
+@dataclasses.dataclass(frozen=True)
+class _Typed:
+    flag: bool = False
+    maybe: bool | None = None
+    steps: tuple = (1, 5)
+    name: str = "x"
+
+    def __post_init__(self):
+        from lab.config import validate
+
+        validate(self)
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "Yes", "OFF", "y", "N"])
+def test_a_yes_no_word_for_a_bool_says_write_true_or_false(word):
+    for field in ("flag", "maybe"):
+        with pytest.raises(ConfigError, match=rf"^_Typed\.{field} must be .*, got '{word}' "
+                           r"\(str\); write true or false \(only those are booleans"):
+            _Typed(**{field: word})
+
+
+def test_a_bool_given_other_text_or_a_number_gets_no_yes_no_hint():
+    for bad in ("maybe", "1", 1):
+        with pytest.raises(ConfigError) as err:
+            _Typed(flag=bad)
+        assert "write true or false" not in str(err.value)
+        assert str(err.value).startswith(f"_Typed.flag must be bool, got {bad!r}")
+
+
+def test_a_tuple_given_as_text_says_give_a_yaml_list():
+    with pytest.raises(ConfigError, match=r"^_Typed\.steps must be tuple, got '\(1,5\)' "
+                       r"\(str\); give a YAML list such as \[1, 5, 20\]$"):
+        _Typed(steps="(1,5)")
+    with pytest.raises(ConfigError) as err:  # not text: no hint about writing it
+        _Typed(steps=3)
+    assert str(err.value) == "_Typed.steps must be tuple, got 3 (int)"
+    with pytest.raises(ConfigError) as err:  # a str field given a number: no hint either
+        _Typed(name=3)
+    assert str(err.value) == "_Typed.name must be str, got 3 (int)"
+
+
+def test_the_real_configs_give_the_hints():
+    from lab.train import CfCAuxConfig
+
+    with pytest.raises(ConfigError, match=r"ConvConfig\.nesterov must be bool, got 'yes' "
+                       r"\(str\); write true or false"):
+        ConvConfig(nesterov="yes")
+    with pytest.raises(ConfigError, match=r"CfCAuxConfig\.horizons must be tuple, got "
+                       r"'\(1,5\)' \(str\); give a YAML list such as \[1, 5, 20\]"):
+        CfCAuxConfig(horizons="(1,5)")

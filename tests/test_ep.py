@@ -674,7 +674,10 @@ def test_trainer_record_names_baseline_progress_and_bill(tmp_path, capsys):
     assert record["work"] == {**bill, "steps": 3, "steps_at_K": {"2": 3},
                               "ep_macs_total": 3 * bill["ep"]["macs"],
                               "bp_macs_total": 3 * bill["bp"]["macs"],
-                              "cosine_ep_macs_total": 0}
+                              "cosine_ep_macs_total": 0,
+                              # eval_batches=2 x batch_size 4: the bundled split holds more
+                              "eval_windows_used": 8, "eval_batches_used": 2}
+    assert len(run.val[0]) == 8
     quiet = train_ep(dataclasses.replace(config, progress=False))
     assert quiet["run_id"] == "in-memory" and capsys.readouterr().err == ""
 
@@ -711,7 +714,7 @@ def test_relative_text_path_is_made_absolute_and_a_missing_one_refused(tmp_path,
     assert _tiny(text_path="").text_path == ""  # the bundled corpus
     missing = str(tmp_path / "nope.txt")
     with pytest.raises(ConfigError) as err:
-        _tiny(text_path="nope.txt")
+        _tiny(text_path="nope.txt").preflight()  # it builds (see the CSV case); it cannot start
     assert str(err.value) == (f"EPConfig.text_path={missing!r} does not exist or is not a file; "
                               "expected a UTF-8 text file, or '' for the bundled corpus")
 
@@ -791,7 +794,7 @@ def test_record_holds_the_split_the_trainer_used(tmp_path):
     text = "héllo wörld, " * 77  # 1001 characters, 1155 bytes
     corpus.write_text(text, encoding="utf-8")
     config = _tiny(text_path=str(corpus), steps=1, warmup_steps=0, eval_every=0,
-                   cosine_every=0, checkpoint_every=0)
+                   cosine_every=0, checkpoint_every=0, eval_batches=0)  # (the split's 6)
     record = train_ep(config, tmp_path / "run")
     run = build_ep(config)
     assert record["data"]["split"] == {"train_chars": 901, "val_chars": 100}  # 1001 - 100
@@ -923,3 +926,35 @@ def test_a_text_the_run_cannot_use_is_refused_before_a_kernel(tmp_path, capsys, 
     with pytest.raises(ConfigError, match=message):  # the Python API refuses it alike
         train_ep(_tiny(text_path=str(text)), tmp_path / "py")
     assert not (tmp_path / "py").exists()
+
+
+# --- trial6 finding F6: eval_batches above what the validation split holds ------------------
+
+
+def test_eval_batches_beyond_the_split_warn_once_and_the_bill_has_what_was_used(tmp_path):
+    import warnings
+
+    path = tmp_path / "small.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 6, encoding="utf-8")
+    config = _tiny(text_path=str(path), steps=2, eval_every=0, cosine_every=0,
+                   checkpoint_every=0, eval_batches=1000)
+    run = build_ep(dataclasses.replace(config, eval_batches=0))  # the whole split
+    held = (len(run.corpus.val) - 1) // config.seq_len
+    assert held == len(run.val[0]) == 1  # 270 characters: the split holds one window
+    with pytest.warns(UserWarning) as caught:
+        record = train_ep(config, tmp_path / "run")
+    assert [str(w.message) for w in caught] == [
+        "EPConfig.eval_batches=1000 asks for 1000 x batch_size 4 = 4000 validation windows "
+        "of seq_len 16, but the validation split holds 1: every validation pass uses those 1 "
+        "(the bill's eval_windows_used); eval_batches=0 means the whole split"]
+    assert record["status"] == "complete", record["error"]
+    assert record["config"]["eval_batches"] == 1000  # what was asked stays as asked ...
+    assert (record["work"]["eval_windows_used"], record["work"]["eval_batches_used"]) == (1, 1)
+    # ... and the windows evaluated are the whole split's, as eval_batches=0 would take.
+    with pytest.warns(UserWarning, match=r"eval_batches=1000 asks for"):
+        clamped = build_ep(config)
+    assert all(torch.equal(a, b) for a, b in zip(clamped.val, run.val))
+    with warnings.catch_warnings():  # a request the split can meet is silent
+        warnings.simplefilter("error")
+        build_ep(dataclasses.replace(config, eval_batches=0))
+        build_ep(_tiny(eval_batches=2))

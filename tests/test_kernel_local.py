@@ -227,3 +227,21 @@ def test_float32_populations_run_float32_loops():
     for sig in compiled:
         scalars = [a for a in sig if isinstance(a, types.Float)]
         assert scalars and all(a == types.float32 for a in scalars), sig
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_norm_without_o_says_why_o_is_needed(backend):
+    """o is read only by the norm's backward: missing with mean / invstd given, the error
+    says so (not just "o must be a torch.Tensor"); without a norm o=None is fine."""
+    p, stats, _ = _case((6, 2, 5, 7), torch.float64, seed=8)
+    with pytest.raises(TypeError) as err:
+        nk.mixed_local(p["I"], p["h"], None, p["C"], p["gain"], p["P"], p["b"], "raw",
+                       backend=backend, **stats)
+    assert str(err.value) == (
+        "o is None, but mean / invstd were given: the norm's backward reads o, the layer's "
+        "output before the norm (B, Ch, *S); pass o, or leave out mean, invstd and gamma for "
+        "a layer without a norm")
+    got = nk.mixed_local(p["I"], p["h"], None, p["C"], p["gain"], p["P"], p["b"], "raw",
+                         backend=backend)
+    want = _local(p, "raw", {}, backend)  # o given but unread without a norm
+    assert torch.equal(got.grad, want.grad)

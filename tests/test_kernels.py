@@ -311,6 +311,17 @@ def test_predictor_update_errors():
         nk.predictor_update(h, torch.rand(4, 5, 3), torch.zeros(3, 5), torch.zeros(3, 5), 0.1)
     with pytest.raises(ValueError, match=r"eta must be finite, got inf"):
         nk.predictor_update(h, h, torch.zeros(3, 5), torch.zeros(3, 5), float("inf"))
+    # A negative step would move P and b away from the fit; refused before anything is written.
+    for backend in ("auto", "torch"):
+        P, b = torch.zeros(3, 5), torch.zeros(3, 5)
+        with pytest.raises(ValueError) as err:
+            nk.predictor_update(h, 2 * h + 1, P, b, -0.1, backend=backend)
+        assert str(err.value) == ("eta=-0.1 is negative; the NLMS step size must be >= 0 (the "
+                                  "rules' predictor_lr is in (0, 1]; 0 leaves P and b "
+                                  "unchanged)")
+        assert not P.any() and not b.any()
+        nk.predictor_update(h, 2 * h + 1, P, b, 0.0, backend=backend)  # 0: allowed, a no-op
+        assert not P.any() and not b.any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -503,3 +503,37 @@ def test_a_device_the_machine_lacks_is_refused_before_a_kernel(notebook, tmp_pat
                                           r"device; use device='cpu' or 'auto'"):
         execute(path, tmp_path / "run", {"device": "cuda"})
     assert not (tmp_path / "run").exists()
+
+
+def test_data_dir_blank_is_the_directory_it_stands_for(tmp_path, monkeypatch):
+    # data_dir "" means $LAB_DATA_DIR: the same run as one given that directory by name,
+    # another run when $LAB_DATA_DIR points elsewhere.
+    from lab.notebook import Resolved, asked_differences
+
+    used, other = tmp_path / "data", tmp_path / "elsewhere"
+    used.mkdir()
+    other.mkdir()
+    named = {"data_dir": str(used), "lr": 0.1}
+    blank = {"data_dir": "", "lr": 0.1}
+    read = {"dataset": "mnist1d", "dir": str(used), "sha256": "0" * 64}
+
+    def differences(then: dict, now: dict, data=None) -> list[str]:
+        record = {"config": then, **({"data": data} if data else {})}
+        return asked_differences(record, Resolved({}, now, full=True))
+
+    monkeypatch.setenv("LAB_DATA_DIR", str(used))
+    assert differences(named, blank) == []
+    assert differences(blank, named, read) == []  # the directory the run read, recorded
+    assert differences(blank, {**named, "data_dir": str(tmp_path / "data" / ".")}, read) == []
+    assert differences(named, {**blank, "lr": 0.2}) == ["lr: 0.1 there vs 0.2 now"]
+    monkeypatch.setenv("LAB_DATA_DIR", str(other))
+    assert differences(named, blank) == [f"data_dir: {str(used)!r} there vs '' now"]
+    # A blank run that read `used` (its $LAB_DATA_DIR then) is not one in `other`.
+    assert differences(blank, {**named, "data_dir": str(other)}, read) == \
+        [f"data_dir: '' there vs {str(other)!r} now"]
+    assert differences(blank, named, read) == []
+    monkeypatch.delenv("LAB_DATA_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default: ~/.cache/lab
+    cache = tmp_path / ".cache" / "lab"
+    assert differences({**named, "data_dir": str(cache)}, blank) == []
+    assert differences(named, blank) != []

@@ -15,6 +15,7 @@ from lab.data.prices import (
     MultiHorizonLoader,
     csv_prices,
     synthetic_prices,
+    val_fraction_off,
     vega_prices,
 )
 
@@ -339,3 +340,58 @@ def test_a_training_split_without_price_movement_is_refused():
     # Several aligned series: the one that does not move is named by its row.
     with pytest.raises(DataError, match=r"^price series\[1\]: the training split does not move"):
         _loader(np.stack([prices, np.where(np.arange(120) < 8, prices, prices[8])]))
+
+
+# --- trial6 findings F5 and minor notes: repeated columns, relative split slack, overflow ----
+
+
+def test_a_repeated_price_column_name_is_refused_naming_the_columns(tmp_path):
+    # pandas would rename the second "close" to "close.1" and read the first, silently.
+    path = tmp_path / "p.csv"
+    path.write_text("date,close,close\n0,1,10\n1,2,20\n2,3,30\n")
+    with pytest.raises(DataError) as err:
+        csv_prices(path, "close")
+    assert str(err.value) == (
+        f"price CSV {str(path)!r} has 2 columns named 'close' (columns 2, 3 of: date, close, "
+        "close), so column='close' is ambiguous; rename them so that one column holds the "
+        "prices")
+    # Another, unrepeated column of the same file still reads (the repeat is only ambiguous
+    # for its own name), and a real column named like pandas' rename is not mistaken for one.
+    np.testing.assert_array_equal(csv_prices(path, "date"), [0.0, 1.0, 2.0])
+    path.write_text("close,close.1\n1,10\n2,20\n")
+    np.testing.assert_array_equal(csv_prices(path, "close"), [1.0, 2.0])
+    np.testing.assert_array_equal(csv_prices(path, "close.1"), [10.0, 20.0])
+
+
+@pytest.mark.parametrize("asked, n_train, n_val, off", [
+    (0.2, 80, 20, False),  # as asked
+    (0.2, 69, 31, True),  # 0.31: more than 0.1 off (the absolute slack)
+    (0.01, 236, 8, True),  # trial: 0.033 for 0.01, 3.3x, 5.6 examples more
+    (0.2, 176, 68, False),  # vega "all" at the default: 0.279, 39% more (the h_max gap)
+    (0.05, 198, 2, True),  # 0.01 for 0.05: 80% off, 8 examples short of the 10 asked
+    (0.012, 98, 2, False),  # 2 for 1.2 asked: 67% more, but under one example more...
+    (0.01, 98, 2, True),  # ... 2 for 1.0 asked: 100% more and one example
+    (0.3, 65, 35, False),  # 0.35: 17% more, within both slacks
+])
+def test_val_fraction_off_is_absolute_or_relative_with_an_example(asked, n_train, n_val, off):
+    assert val_fraction_off(asked, n_train, n_val) is off
+
+
+def test_a_small_val_fraction_realised_three_times_over_warns():
+    # vega "all" at 0.01: 8 validation examples (0.033), within the absolute 0.1 slack.
+    with pytest.warns(UserWarning, match=r"all: val_fraction=0.01 cannot be honoured .* 236 "
+                                         r"training and 8 validation examples \(validation "
+                                         r"fraction 0.033\)"):
+        MultiHorizonLoader(vega_prices("all"), **{**CFC_DEFAULTS, "val_fraction": 0.01},
+                           name="all")
+
+
+def test_an_overflowing_synthetic_series_raises_without_numpy_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow RuntimeWarning would fail here
+        prices = synthetic_prices("random_walk", length=2000, drift=1.0, volatility=10.0)
+        assert np.isinf(prices).any()
+        with pytest.raises(DataError, match=r"NaN or infinite price\(s\)"):
+            MultiHorizonLoader(prices, **CFC_DEFAULTS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -72,7 +73,6 @@ def write_protocol(path: Path, **fields) -> Path:
      r"of parameter: value$"),
     ({"overrides": {"x": {1: {"x": 2}}}}, r"overrides\['x'\]\[1\] sets grid key\(s\) x"),
     ({"overrides": {"x": {1: {"lr": 2}}}}, r"does not declare parameter\(s\) 'lr'"),
-    ({"grid": {"x": ["a b", "a-b"]}}, r"duplicate run ids: x-a-b"),
     ({"fixed": {"x": 1}}, r"x are both fixed and in the grid"),
     ({"fixed": {"out_dir": "/tmp"}}, r"out_dir are set by the sweep"),
     ({"grid": {"out_dir.x": [1]}}, r"out_dir are set by the sweep"),
@@ -141,7 +141,8 @@ def test_expand_gives_stable_readable_ids():
     assert specs[1].grid == {"rule": "bp", "seed": 1}
     assert run_id_for({"rule_params": {"scale": 0.5, "b": True}, "lr": 1e-3}) == \
         "lr-0.001_rule_params-b=true,scale=0.5"
-    assert run_id_for({"dims": [1, 2], "name": "a/b c"}) == "dims-1+2_name-a-b-c"
+    assert run_id_for({"dims": [1, 2], "name": "a/b c"}) == \
+        f"dims-1+2_name-a-b-c-{hashlib.sha256(b'a/b c').hexdigest()[:8]}"
 
 
 def test_demo_protocol():
@@ -621,10 +622,11 @@ def test_run_ids_of_non_ascii_values_are_distinct_and_stable(tmp_path):
     ids = [spec.run_id for spec in expand(load_protocol(path))]
     assert ids == ["x-α", "x-β", "x-café", f"x-{digest('🙂')}", f"x-{digest('🙃')}",
                    f"x-a-{digest('a🙂')}"]
-    # One letter in two Unicode forms (composed é, e + combining accent) is one id: refused.
+    # One letter in two Unicode forms (composed é, e + combining accent): two values, and
+    # the one the id does not spell as given gets the digest.
     both = write_protocol(tmp_path / "q.yaml", grid={"x": ["caf\u00e9", "cafe\u0301"]})
-    with pytest.raises(ProtocolError, match=r"duplicate run ids: x-café"):
-        load_protocol(both)
+    decomposed = digest("cafe\u0301")
+    assert [s.run_id for s in expand(load_protocol(both))] == ["x-café", f"x-café-{decomposed}"]
     # The file system takes them, with --force's suffix too.
     for run_id in ids:
         (tmp_path / "runs" / f"{run_id}.old-20260101T000000Z-99").mkdir(parents=True)
@@ -727,5 +729,64 @@ def test_negative_grid_values_keep_their_sign_in_run_ids():
 
     assert run_id_for({"drift": -0.001}) == "drift--0.001"
     assert run_id_for({"drift": 0.001}) == "drift-0.001"
-    assert run_id_for({"x": "/a b/"}) == "x-a-b"  # replaced characters at the ends still go
+    # replaced characters at the ends still go (the digest tells the value apart)
+    assert run_id_for({"x": "/a b/"}).startswith("x-a-b-")
     assert len({run_id_for({"s": v}) for v in (-1.0, 1.0, -2, 2)}) == 4
+
+
+# ---------------------------------------------------------------------------
+# run ids: distinct values give distinct ids, also ignoring letter case
+
+
+def _sha8(value) -> str:
+    """The digest a run id appends: a string's own text, any other value's JSON."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+@pytest.mark.parametrize("values, ids", [
+    (["b c", "b-c", "b_c"], [f"x-b-c-{_sha8('b c')}", "x-b-c", "x-b_c"]),
+    (["", "none"], [f"x-{_sha8('')}", "x-none"]),
+    ([1, "1"], ["x-1", f"x-1-{_sha8('1')}"]),
+    ([True, "True"], ["x-true", f"x-True-{_sha8('True')}"]),
+    ([False, "false"], ["x-false", f"x-false-{_sha8('false')}"]),
+    ([None, "None"], [f"x-None-{_sha8(None)}", f"x-None-{_sha8('None')}"]),
+    (["b", "B", "c"], [f"x-b-{_sha8('b')}", f"x-B-{_sha8('B')}", "x-c"]),
+    ([1.5, "1.5", "1.50"], ["x-1.5", f"x-1.5-{_sha8('1.5')}", f"x-1.50-{_sha8('1.50')}"]),
+    ([[1, 5], "1+5"], [f"x-1+5-{_sha8([1, 5])}", f"x-1+5-{_sha8('1+5')}"]),
+])
+def test_distinct_grid_values_give_ids_distinct_ignoring_case(tmp_path, values, ids):
+    path = write_protocol(tmp_path / "p.yaml", grid={"x": values, "fail_on": [0]})
+    specs = expand(load_protocol(path, configs=False))
+    assert [s.run_id for s in specs] == [f"fail_on-0_{i}" for i in ids]
+    assert [s.grid["x"] for s in specs] == values  # each id holds the value it names
+    assert len({s.run_id.casefold() for s in specs}) == len(values)
+    for spec in specs:  # each is a directory of its own, --force's suffix included
+        (tmp_path / "ids" / f"{spec.run_id.casefold()}.old-20260101T000000Z-99").mkdir(
+            parents=True)
+
+
+@pytest.mark.parametrize("value, run_id", [
+    (0.001, "x-0.001"), (-0.001, "x--0.001"), (1e-05, "x-1e-05"), (3, "x-3"), (True, "x-true"),
+    ("kp_traffic", "x-kp_traffic"), ("raw", "x-raw"), ("none", "x-none"), ("α", "x-α"),
+    (None, "x-None"), ([1, 2], "x-1+2"), ({"scale": 0.5, "b": True}, "x-b=true,scale=0.5")])
+def test_a_value_its_text_names_exactly_is_its_id(value, run_id):
+    assert run_id_for({"x": value}) == run_id
+    assert run_id_for({"x": value}, {"x": [value, "other"]}) == run_id
+
+
+def test_ids_of_the_committed_protocols_name_their_runs():
+    # Every run directory the fixtures hold is still found under the id its protocol gives.
+    fixtures = sorted((ROOT / "tests" / "fixtures").glob("*/protocol.yaml"))
+    assert len(fixtures) >= 5
+    for path in fixtures:
+        protocol = load_protocol(path, configs=False)
+        ids = [s.run_id for s in expand(protocol)]
+        made = sorted(p.name for p in Path(protocol.out).iterdir() if p.is_dir())
+        assert sorted(ids) == made, path
+    ids = {s.run_id for p in sorted((ROOT / "protocols").glob("*.yaml"))
+           for s in expand(load_protocol(p, configs=False))}
+    assert "rule-kp_seed-0_weight_decay-0.001" in ids and "K-1_beta-0.1_seed-0" in ids
+    assert "rule_params.traffic_rule-innovation_seed-2" in ids
+    assert all(re.fullmatch(r"[A-Za-z0-9._=,+-]+", i) and not re.search(r"-[0-9a-f]{8}(_|$)", i)
+               for i in ids)  # ordinary values: no digest anywhere

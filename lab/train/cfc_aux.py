@@ -36,6 +36,7 @@ later, held-out part of the series.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +105,8 @@ class CfCAuxConfig:
     # aux path and its lift
     aux: str = choice("lift", AUX_MODES)
     lift_huber: float = bounded(0.4, 0.0, lo_open=True)  # every horizon's Huber EMA below
-    lift_acc: float = bounded(0.85, 0.0, 1.0)  # every horizon's direction-acc EMA above
+    # every horizon's direction-acc EMA above (strictly: 1.0 could never be passed)
+    lift_acc: float = bounded(0.85, 0.0, 1.0, hi_open=True)
     lift_window: int = bounded(200, 0)  # the lift may fire at steps < this; 0 = any step
     ema_decay: float = bounded(0.95, 0.0, 1.0, hi_open=True)
     huber_delta: float = bounded(1.0, 0.0, lo_open=True)
@@ -138,10 +140,6 @@ class CfCAuxConfig:
         # Resolved once, where the config is built (`lab run` and its kernel share a working
         # directory), so the record names the file itself, not a name relative to somewhere.
         object.__setattr__(self, "csv_path", absolute(self.csv_path))
-        if self.source == "csv" and not Path(self.csv_path).is_file():
-            raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} does not exist or is "
-                              "not a file; expected a CSV file with a header row naming "
-                              f"column={self.column!r}")
         if self.units % self.main_buckets:
             raise ConfigError(f"CfCAuxConfig.main_buckets={self.main_buckets} must divide "
                               f"units={self.units}")
@@ -155,6 +153,12 @@ class CfCAuxConfig:
         pre-check, ``train_cfc_aux``): a readable CSV with the column, long enough for the
         window, sequence and horizons in both splits; and a device this machine has."""
         resolve_device(self.device)
+        # Here, not at construction: a config naming a file that exists only where its runs
+        # were made (a cluster) still builds, so `lab runs` can list those runs.
+        if self.source == "csv" and not Path(self.csv_path).is_file():
+            raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} does not exist or is "
+                              "not a file; expected a CSV file with a header row naming "
+                              f"column={self.column!r}")
         try:
             prices, name = load_prices(self)
             MultiHorizonLoader(prices, window=self.window, seq_len=self.seq_len,
@@ -319,6 +323,14 @@ def build_run(config: CfCAuxConfig) -> Run:
     data = MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
                               horizons=config.horizons, main_horizon=config.main_horizon,
                               val_fraction=config.val_fraction, name=name)
+    n_train = data.split_sizes()["n_train"]
+    if config.batch_size > n_train:
+        # Batches are drawn with replacement, so this runs, but each batch repeats examples
+        # and the bill's train_examples counts draws, not distinct examples.
+        warnings.warn(f"CfCAuxConfig.batch_size={config.batch_size} is more than the {n_train} "
+                      f"training examples of {name}: each batch draws examples with "
+                      f"replacement, so it repeats them; batch_size <= {n_train} draws "
+                      "fewer repeats", stacklevel=2)
     for field in ("features", "long", "short", "direction"):
         setattr(data, field, getattr(data, field).to(device))
     with seeded(config.seed):
@@ -410,6 +422,13 @@ def initial_loss(run: Run) -> float:
     return float(F.binary_cross_entropy_with_logits(logits, batch.direction))
 
 
+def aux_loss_keys(config: CfCAuxConfig) -> tuple[str, ...]:
+    """The aux path's training losses in a row (its divergence watch; none without it)."""
+    if config.aux == "none":
+        return ()
+    return tuple(f"aux_huber_ema/h{h}" for h in config.horizons)
+
+
 def expectation(config: CfCAuxConfig) -> Expectation:
     """A complete run: one row per step; aux signals every step; validation on its cadence."""
     metrics = ("train_loss", "train_acc")
@@ -437,7 +456,8 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
                      data=data_identity(config, run.data),
                      checkpoint_every=config.checkpoint_every,
                      divergence=Divergence(eval_keys=("val_loss",),
-                                           factor=config.diverge_factor),
+                                           factor=config.diverge_factor,
+                                           companion_keys=aux_loss_keys(config)),
                      progress=config.progress, desc=f"cfc-aux {config.aux} seed {config.seed}")
     with life:
         done = life.start()

@@ -140,9 +140,6 @@ class EPConfig:
         # directory): a run started elsewhere then differs visibly in its config instead of
         # silently reading another file of the same name.
         object.__setattr__(self, "text_path", absolute(self.text_path))
-        if self.text_path and not Path(self.text_path).is_file():
-            raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
-                              "a file; expected a UTF-8 text file, or '' for the bundled corpus")
         _check_beta(self)
         if self.warmup_steps > self.steps:
             raise ConfigError(f"EPConfig.warmup_steps={self.warmup_steps} exceeds "
@@ -154,6 +151,10 @@ class EPConfig:
         ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits; and a
         device this machine has."""
         resolve_device(self.device)
+        # Here, not at construction: see CfCAuxConfig.preflight.
+        if self.text_path and not Path(self.text_path).is_file():
+            raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
+                              "a file; expected a UTF-8 text file, or '' for the bundled corpus")
         try:
             load_corpus(self.text_path, seq_len=self.seq_len, val_fraction=VAL_FRACTION)
         except (TextError, OSError) as err:
@@ -426,6 +427,16 @@ def build_ep(config: EPConfig) -> EPRun:
     optimizer = _optimizer(config, model.parameters())
     twin_optimizer = _optimizer(config, twin.parameters())
     n_windows = config.eval_batches * config.batch_size
+    held = (len(corpus.val) - 1) // config.seq_len  # the split's non-overlapping windows
+    if n_windows > held:
+        # eval_windows keeps all `held` then; the record's eval_batches would say more than
+        # was evaluated, so say it here, and the bill holds the count used (eval_windows_used).
+        warnings.warn(f"EPConfig.eval_batches={config.eval_batches} asks for "
+                      f"{config.eval_batches} x batch_size {config.batch_size} = {n_windows} "
+                      f"validation windows of seq_len {config.seq_len}, but the validation "
+                      f"split holds {held}: every validation pass uses those {held} (the bill's "
+                      f"eval_windows_used); eval_batches=0 means the whole split",
+                      stacklevel=2)
     val = tuple(t.to(device) for t in eval_windows(corpus.val, config.seq_len, n_windows))
     return EPRun(config, device, corpus, model, optimizer, _scheduler(config, optimizer), twin,
                  twin_optimizer, _scheduler(config, twin_optimizer), Governor(config),
@@ -618,7 +629,12 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
             warnings.warn(f"EP never updated: the drift governor skipped all {steps} steps "
                           f"(drift above drift_bound={config.drift_bound}); only the BP twin "
                           "learned. Lower beta, or raise drift_bound", stacklevel=2)
-        return life.finish(final=final, work=run_bill(config, run.model, life.rows_logged))
+        # What every validation pass evaluated: eval_batches is what was asked, and a split
+        # with fewer windows clamps it (build_ep warns).
+        used = len(run.val[0])
+        work = {**run_bill(config, run.model, life.rows_logged), "eval_windows_used": used,
+                "eval_batches_used": -(-used // config.batch_size)}
+        return life.finish(final=final, work=work)
 
 
 __all__ = ["EPConfig", "EPResult", "EPRun", "Governor", "TextError", "bp_gradient",
