@@ -240,21 +240,49 @@ def test_exploding_learning_rate_ends_diverged_with_its_rows(tmp_path):
     assert "test_acc" not in saved["final"]
 
 
-def test_recorded_learning_rate_follows_one_cycle(tiny):
-    config = ConvConfig(**{**tiny, "epochs": 6})
-    record = train_conv(config)
-    steps = 4  # 256 examples / 64 per batch
-    total, peak, pct = 6 * steps, config.lr, config.warmup_fraction
+def _onecycle(peak: float, pct: float, total: int):
+    """Smith & Topin's cosine one-cycle as torch runs it, written out: lr at step s."""
     start, floor = peak / 25, peak / 25 / 1e4
     end1 = pct * total - 1
 
-    def onecycle(s):  # Smith & Topin's cosine one-cycle, written out
+    def lr(s):
         if s <= end1:
             a, b, t = start, peak, s / end1
         else:
             a, b, t = peak, floor, (s - end1) / (total - 1 - end1)
         return b + (a - b) / 2 * (math.cos(math.pi * t) + 1)
+    return lr
 
+
+def test_a_short_run_that_moves_the_warm_up_says_so_and_records_what_it_used(tiny):
+    # 4 optimizer steps: 0.25 of them is under torch's 1.5-step minimum phase, so the
+    # schedule used 0.375 while the record said only 0.25.
+    config = ConvConfig(**{**tiny, "epochs": 1, "threads": 1})
+    with pytest.warns(UserWarning, match=r"warmup_fraction=0.25 of this run's 4 optimizer "
+                                         r"steps .* the warm-up used is 0.375 \(recorded as "
+                                         r"work.warmup_fraction_used\)"):
+        run = conv.build_run(config)
+    want = _onecycle(config.lr, 1.5 / 4, 4)
+    lrs = []
+    for _ in range(4):
+        lrs.append(run.optimizer.param_groups[0]["lr"])
+        run.optimizer.step()
+        run.scheduler.step()
+    assert lrs == pytest.approx([want(s) for s in range(4)], rel=1e-9)
+    with pytest.warns(UserWarning, match="warm-up used"):
+        record = train_conv(config)
+    assert record["work"]["warmup_fraction_used"] == 0.375
+    assert record["config"]["warmup_fraction"] == 0.25
+
+
+def test_recorded_learning_rate_follows_one_cycle(tiny):
+    config = ConvConfig(**{**tiny, "epochs": 6})
+    record = train_conv(config)
+    steps = 4  # 256 examples / 64 per batch
+    total, peak, pct = 6 * steps, config.lr, config.warmup_fraction
+    floor = peak / 25 / 1e4
+    onecycle = _onecycle(peak, pct, total)
+    assert record["work"]["warmup_fraction_used"] == pct  # 24 steps: as configured
     # Each epoch's row holds the rate its last step used; the last is the cycle's floor.
     lrs = [row["lr"] for row in record["trajectory"]]
     assert lrs == pytest.approx([onecycle((e + 1) * steps - 1) for e in range(6)], rel=1e-9)

@@ -6,7 +6,11 @@ independent count from forward hooks checks it. A rule's bill for a run is
 components such as ``forward``, ``bp_reverse``, ``feedback_propagation``,
 ``local_correlation``, ``feedback_update``, ``mirror`` and ``perturbation``.
 
-The rule for the bill: a product is billed when the rule needs its result.
+The rule for the bill: a product is billed when the rule needs its result, at the
+synapses that need it: Kolen-Pollack's feedback weights form their own update, the same
+correlation as the forward weights' (``feedback_update``), which a circuit computes twice
+though this implementation copies W's result (so the bill counts the algorithm, and kp's
+wall time is fa's).
 Every layer's weight gradient is billed (every layer learns); an input
 gradient only where a layer below reads it, so never for the first layer,
 whose input is the data: bp's reverse pass is one weight-gradient product per

@@ -166,7 +166,8 @@ class KolenPollack(FeedbackAlignment):
         return out
 
     def work(self, layer_macs, examples):
-        # The feedback update is the same correlation, applied to B as well.
+        # The feedback update is the same correlation, formed at B's synapses too: billed
+        # (the algorithm's cost; see lab.diagnostics.work), though computed once here.
         return {**super().work(layer_macs, examples),
                 "feedback_update": self.feedback_macs(layer_macs) * examples}
 

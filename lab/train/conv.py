@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,16 +174,22 @@ def _evaluate(model, split, batch_size) -> tuple[float, float]:
     return float(loss_sum) / n, int(correct) / n
 
 
+def onecycle_warmup(config: ConvConfig, total_steps: int) -> float:
+    """The warm-up fraction one-cycle uses: ``warmup_fraction``, moved inside
+    [1.5, total - 1.5] steps where a short run needs it (torch needs at least one step in
+    each phase of the cycle); :func:`build_run` warns when it moves, the bill records it."""
+    return min(max(config.warmup_fraction, 1.5 / total_steps), 1 - 1.5 / total_steps)
+
+
 def _scheduler(config: ConvConfig, optimizer, total_steps: int):
     if config.schedule == "onecycle":
         if total_steps < ONECYCLE_MIN_STEPS:  # preflight refuses it; a direct call too
             raise ConfigError(f"ConvConfig.schedule='onecycle' needs at least "
                               f"{ONECYCLE_MIN_STEPS} optimizer steps; this run has "
                               f"{total_steps}")
-        # torch needs at least one step in each phase of the cycle.
-        pct = min(max(config.warmup_fraction, 1.5 / total_steps), 1 - 1.5 / total_steps)
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=config.lr, total_steps=total_steps, pct_start=pct,
+            optimizer, max_lr=config.lr, total_steps=total_steps,
+            pct_start=onecycle_warmup(config, total_steps),
             cycle_momentum=config.optimizer == "sgd")
     if config.schedule == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
@@ -236,7 +243,15 @@ def build_run(config: ConvConfig) -> Run:
     optimizer = _optimizer(config, groups + list(rule.param_groups()))
     n_train = len(data.train.y)
     steps_per_epoch = math.ceil(n_train / config.batch_size)
-    scheduler = _scheduler(config, optimizer, config.epochs * steps_per_epoch)
+    total = config.epochs * steps_per_epoch
+    scheduler = _scheduler(config, optimizer, total)
+    if config.schedule == "onecycle" and onecycle_warmup(config, total) != config.warmup_fraction:
+        warnings.warn(f"ConvConfig.warmup_fraction={config.warmup_fraction:g} of this run's "
+                      f"{total} optimizer steps leaves a phase of the one-cycle schedule under "
+                      f"1.5 steps; the warm-up used is {onecycle_warmup(config, total):.4g} "
+                      "(recorded as work.warmup_fraction_used). Give the run more steps "
+                      "(epochs, n_train, smaller batch_size) for the schedule as configured",
+                      stacklevel=2)
     generator = torch.Generator().manual_seed(config.seed)
     return Run(config, device, data, model, rule, optimizer, scheduler, generator,
                steps_per_epoch)
@@ -335,6 +350,9 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
         examples = len(life.rows_logged) * len(run.data.train.y)
         work = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
                 "optimizer_steps": len(life.rows_logged) * run.steps_per_epoch}
+        if config.schedule == "onecycle":  # what the schedule used, when a short run moved it
+            work["warmup_fraction_used"] = onecycle_warmup(
+                config, config.epochs * run.steps_per_epoch)
         return life.finish(final, work)
 
 
