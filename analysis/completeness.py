@@ -57,15 +57,22 @@ def _named(rows: pd.DataFrame, name: str) -> pd.DataFrame:
     return rows[rows["metric"] == name]
 
 
+def _matches(metric: str, names: Sequence[str]) -> bool:
+    """``metric`` is one of ``names`` or lies under one ending in "/"."""
+    return any(metric == n or (n.endswith("/") and metric.startswith(n)) for n in names)
+
+
 def _field_problems(run_id: str, rows: pd.DataFrame, axis: str, name: str,
-                    required: set[int], stride: int) -> list[str]:
+                    required: set[int], stride: int, undefined: Sequence[str] = ()) -> list[str]:
     problems = []
     group = _named(rows, name)
     what = f"{'metrics under' if name.endswith('/') else 'field'} {name!r}"
     absent = sorted(required - set(group["index"]))
     if absent:
         problems.append(f"{run_id}: {what} missing at {axis}s {spans(absent, stride)}")
-    bad = group[group["index"].isin(required) & ~group["value"].map(math.isfinite)]
+    # A NaN where the quantity may be undefined is a result; inf never is.
+    result = group["value"].isna() & group["metric"].map(lambda m: _matches(m, undefined))
+    bad = group[group["index"].isin(required) & ~group["value"].map(math.isfinite) & ~result]
     if len(bad):
         shown = ", ".join(sorted(set(map(str, bad["value"]))))
         where = spans(bad["index"], stride)
@@ -76,7 +83,7 @@ def _field_problems(run_id: str, rows: pd.DataFrame, axis: str, name: str,
 
 
 def _row_problems(run_id: str, rows: pd.DataFrame, expect: dict,
-                  row_metrics: list[str]) -> list[str]:
+                  row_metrics: list[str], undefined: Sequence[str] = ()) -> list[str]:
     axis, count, stride = expect["axis"], expect["count"], expect.get("stride", 1)
     wanted = [i * stride for i in range(count)]
     present = set(rows["index"])
@@ -91,10 +98,10 @@ def _row_problems(run_id: str, rows: pd.DataFrame, expect: dict,
                         f"{count} rows of stride {stride}")
     have = set(wanted) & present
     for name in list(expect.get("metrics", ())) + row_metrics:
-        problems += _field_problems(run_id, rows, axis, name, have, stride)
+        problems += _field_problems(run_id, rows, axis, name, have, stride, undefined)
     for name, every, offset in expect.get("periodic", ()):
         due = {v for v in have if (v - offset) % every == 0}
-        problems += _field_problems(run_id, rows, axis, name, due, stride)
+        problems += _field_problems(run_id, rows, axis, name, due, stride, undefined)
     return problems
 
 
@@ -111,16 +118,20 @@ def _final_problems(run_id: str, rows: pd.DataFrame, fields: list[str]) -> list[
 
 
 def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
-                  row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> list[str]:
+                  row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = (),
+                  undefined: Sequence[str] = ()) -> list[str]:
     """Every problem :func:`check_complete` would report, one line each (empty = complete).
 
     ``expected_ids``, ``row_metrics`` and ``final_metrics`` are lists (or tuples) of
     names; a bare str is refused (TypeError naming the parameter), not read letter
-    by letter.
+    by letter. ``undefined`` names row metrics (or prefixes ending in "/") that may be
+    NaN because the quantity is undefined there (e.g. a cosine at a silent layer):
+    present and NaN is then a result, not a gap; missing or infinite still is a problem.
     """
     expected = names(expected_ids, "expected_ids", "run ids")
     row_metrics = names(row_metrics, "row_metrics")
     final_metrics = names(final_metrics, "final_metrics")
+    undefined = names(undefined, "undefined")
     problems = []
     present = set(runs["run_id"]) if len(runs) else set()
     missing = [run_id for run_id in expected if run_id not in present]
@@ -142,7 +153,7 @@ def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Seque
                             "(written by an older lab or a plain notebook); rerun it")
             continue
         rows = groups.get((run_id, expect["axis"]), empty)
-        problems += _row_problems(run_id, rows, expect, row_metrics)
+        problems += _row_problems(run_id, rows, expect, row_metrics, undefined)
         problems += _final_problems(run_id, groups.get((run_id, "final"), empty),
                                     list(expect.get("final", ())) + final_metrics)
     return list(dict.fromkeys(problems))

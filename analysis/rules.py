@@ -25,6 +25,10 @@ FEEDBACK_FIELDS = ("rule/feedback/mean_cos", "rule/feedback/min_cos",
                    "rule/feedback/mean_rel_err")
 # rules_table's alignment columns: required at each run's last epoch.
 ALIGNMENT_FIELDS = ("alignment/mean_update_cos", "alignment/mean_teaching_cos")
+# Alignment cosines may be NaN in a complete run: 0/0 at a silent layer or population
+# (lab.diagnostics.alignment), which is the run's result, not a gap. NaN is never a
+# fault here: the probe is skipped (the row holds no alignment) when the loss is not finite.
+UNDEFINED = ("alignment/",)
 FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
 
 
@@ -35,15 +39,17 @@ def _last_epoch(expect) -> int | None:
     return (expect["count"] - 1) * expect.get("stride", 1)
 
 
-def _last_epoch_problems(data) -> list[str]:
-    """Each complete run lacking a finite ``ALIGNMENT_FIELDS`` value at its last epoch
-    (a run that is not complete is already reported by its status)."""
+def _last_epoch_problems(data) -> tuple[list[str], list[str]]:
+    """(missing, infinite): each complete run lacking an ``ALIGNMENT_FIELDS`` value at its
+    last epoch, and each whose value there is infinite (a run that is not complete is
+    already reported by its status). NaN is not listed: the cosine was measured and is
+    undefined (``UNDEFINED``)."""
     m = data.metrics
     rows = m[(m["axis"] == "epoch") & m["metric"].isin(ALIGNMENT_FIELDS)]
     values = {(r, i, name): v for r, i, name, v in
               zip(rows["run_id"], rows["index"], rows["metric"], rows["value"])}
     runs = {run.run_id: run for run in data.runs.itertuples(index=False)}
-    problems = []
+    problems, infinite = [], []
     for run_id in data.expected_ids:
         run = runs.get(run_id)
         last = _last_epoch(getattr(run, "expect", None))
@@ -51,32 +57,34 @@ def _last_epoch_problems(data) -> list[str]:
             continue  # find_problems names a missing, unfinished or undeclared run
         missing = [name for name in ALIGNMENT_FIELDS if (run_id, last, name) not in values]
         bad = [f"{name} ({values[(run_id, last, name)]})" for name in ALIGNMENT_FIELDS
-               if name not in missing and not math.isfinite(values[(run_id, last, name)])]
+               if name not in missing and math.isinf(values[(run_id, last, name)])]
         if missing:
             problems.append(f"{run_id}: {', '.join(map(repr, missing))} missing at its last "
                             f"epoch ({last})")
         if bad:
-            problems.append(f"{run_id}: non-finite at its last epoch ({last}): "
-                            f"{', '.join(bad)}")
-    return problems
+            infinite.append(f"{run_id}: infinite at its last epoch ({last}): {', '.join(bad)}")
+    return problems, infinite
 
 
 def check_rules_complete(data) -> None:
     """Every run complete with its alignment; rules with feedback tensors also with tracking.
 
     ``data`` is a ``ProtocolRuns`` whose grid has a ``rule`` key. Alignment means
-    ``ALIGNMENT_FIELDS``, present and finite at each run's last epoch (what
-    :func:`rules_table` reports): a protocol run with ``alignment_every: 0``, or
-    with an ``alignment_every`` that does not divide ``epochs``, is refused. One
-    error lists every gap across the checks.
+    ``ALIGNMENT_FIELDS``, present at each run's last epoch (what :func:`rules_table`
+    reports): a protocol run with ``alignment_every: 0``, or with an
+    ``alignment_every`` that does not divide ``epochs``, is refused, with that advice.
+    Measured but NaN is not a gap: the cosine is undefined (a silent layer or
+    population, e.g. a collapsed network) and :func:`rules_table` counts such runs.
+    One error lists every gap across the checks.
     """
-    problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS)
+    problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS,
+                             undefined=UNDEFINED)
     with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
     present = set(data.runs["run_id"])
     problems += find_problems(data.runs, data.metrics, [i for i in with_feedback if i in present],
-                              FEEDBACK_FIELDS)
-    alignment = _last_epoch_problems(data)
-    problems = list(dict.fromkeys(problems + alignment))  # a bad status would be listed twice
+                              FEEDBACK_FIELDS, undefined=UNDEFINED)
+    alignment, infinite = _last_epoch_problems(data)
+    problems = list(dict.fromkeys(problems + alignment + infinite))
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
         hint = ("\nThe rule comparison reports alignment with backprop at each run's last "
@@ -251,17 +259,88 @@ READOUT = "fc"
 
 def _last_epoch_hidden_update(data, table: pd.DataFrame, keys) -> pd.Series:
     """Per group, the mean over seeds of each run's mean update cosine over its layers
-    but the read-out, at its last epoch (as ``mean_update_cos`` is over all layers)."""
-    m = data.metrics
+    but the read-out where defined, at its last epoch (as ``mean_update_cos`` is over all
+    layers where defined)."""
     prefix = "alignment/update_cos/"
-    rows = m[(m["axis"] == "epoch") & m["metric"].str.startswith(prefix)
-             & (m["metric"] != prefix + READOUT) & m["run_id"].isin(set(table["run_id"]))]
-    last = {run_id: _last_epoch(expect) for run_id, expect in
-            zip(data.runs["run_id"], data.runs["expect"])}
-    per_run = rows[rows["index"] == rows["run_id"].map(last)].groupby("run_id")["value"].mean()
+    rows = _last_epoch_rows(data, table, prefix)
+    per_run = rows[rows["metric"] != prefix + READOUT].groupby("run_id")["value"].mean()
     keys = list(keys)
     frame = table[["run_id", *keys]].merge(per_run.rename("value").reset_index(), on="run_id")
     return frame.groupby(keys, dropna=False)["value"].mean()
+
+
+def _last_epoch_rows(data, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    """Epoch rows of the metrics under ``prefix`` at each run's own last epoch."""
+    m = data.metrics
+    rows = m[(m["axis"] == "epoch") & m["metric"].str.startswith(prefix)
+             & m["run_id"].isin(set(table["run_id"]))]
+    last = {run_id: _last_epoch(expect) for run_id, expect in
+            zip(data.runs["run_id"], data.runs["expect"])}
+    return rows[rows["index"] == rows["run_id"].map(last)]
+
+
+def _undefined_runs(data, table: pd.DataFrame, keys) -> pd.Series:
+    """Per group, how many runs have an undefined (NaN) alignment cosine, at some layer
+    or population, at their last epoch."""
+    rows = _last_epoch_rows(data, table, "alignment/")
+    undefined = rows.groupby("run_id")["value"].apply(lambda v: bool(v.isna().any()))
+    keys = list(keys)
+    frame = table[["run_id", *keys]].assign(
+        undefined=table["run_id"].map(undefined).fillna(False).astype(int))
+    return frame.groupby(keys, dropna=False)["undefined"].sum()
+
+
+def _defined(data, table: pd.DataFrame, keys, prefix: str) -> pd.Series:
+    """Per group, the mean over seeds of how many names under ``prefix`` (layers or
+    populations) have a defined (finite) cosine at the run's last epoch."""
+    rows = _last_epoch_rows(data, table, prefix)
+    per_run = rows.assign(defined=rows["value"].notna()).groupby("run_id")["defined"].sum()
+    keys = list(keys)
+    frame = table[["run_id", *keys]].assign(defined=table["run_id"].map(per_run))
+    return frame.groupby(keys, dropna=False)["defined"].mean()
+
+
+def alignment_note(out: pd.DataFrame) -> str:
+    """A sentence for a :func:`rules_table` with runs whose alignment is undefined
+    (empty when there are none): what their alignment columns then mean."""
+    count = out["align_undefined_runs"]
+    if not count.sum():
+        return ""
+    points = ", ".join(
+        f"{_label(out.index.names, point)} ({n} run(s); defined at "
+        f"{out.loc[point, 'update_layers_defined']:g} layers and "
+        f"{out.loc[point, 'teaching_populations_defined']:g} populations, mean over seeds)"
+        for point, n in count[count > 0].items())
+    return (f"Alignment undefined (NaN) at some layer or population at the last epoch in "
+            f"{int(count.sum())} run(s): {points}. Their network went (partly) silent: a "
+            "cosine with an all-zero update or gradient is 0/0. The alignment columns there "
+            "are means over the layers, populations and seeds where it is defined, NaN "
+            "where it is defined nowhere; accuracy and the bill cover every run.")
+
+
+def per_seed_table(data, column: str) -> pd.DataFrame:
+    """One row per grid point (as :func:`rules_table`), one column per seed: ``column``
+    of each run. ``column`` is a column of ``data.table()`` (``final.test_acc``) or an
+    epoch metric, read at each run's last epoch (``alignment/mean_teaching_cos``): the
+    per-seed values behind a mean ± std."""
+    table = data.table()
+    _check_table(table, "per_seed_table", ["run_id", "seed"])
+    keys = ["rule"] + [k for k in data.group_keys if k != "rule"]
+    if column in table.columns:
+        values = table.set_index("run_id")[column]
+    else:
+        rows = _last_epoch_rows(data, table, column)
+        rows = rows[rows["metric"] == column]
+        if not len(rows):
+            known = sorted(data.metrics.loc[data.metrics["axis"] == "epoch", "metric"].unique())
+            raise KeyError(f"per_seed_table: {column!r} is neither a column of the runs' table "
+                           f"({', '.join(map(str, table.columns))}) nor an epoch metric at "
+                           f"the runs' last epoch (epoch metrics: {', '.join(known[:12])}"
+                           f"{', ...' if len(known) > 12 else ''})")
+        values = rows.set_index("run_id")["value"]
+    frame = table[["run_id", "seed", *keys]].assign(value=table["run_id"].map(values))
+    out = frame.pivot_table(index=keys, columns="seed", values="value", dropna=False)
+    return out.rename(columns=lambda seed: f"seed {seed}")
 
 
 def rules_table(data) -> pd.DataFrame:
@@ -278,7 +357,14 @@ def rules_table(data) -> pd.DataFrame:
     different decays. ``vs_bp`` compares with bp at the same other keys; where the
     grid has no bp run at those keys (or no bp at all) it is NaN. Refuses incomplete
     data (:func:`check_rules_complete`): a mean over the runs that happen to exist is
-    not the protocol's result."""
+    not the protocol's result. A run whose alignment was measured but is undefined
+    (NaN: a silent layer or population) is summarised: its accuracy and bill count,
+    the alignment columns are means over the layers, populations and seeds where it
+    is defined (NaN where nowhere), ``align_undefined_runs`` counts, per grid point,
+    the runs with an undefined cosine, and ``update_layers_defined`` /
+    ``teaching_populations_defined`` say over how many layers / populations the
+    cosine is defined (mean over seeds; a collapsed network's teaching mean can be
+    one population's). :func:`alignment_note` says it in words."""
     if "rule" not in data.group_keys:
         raise ValueError(f"rules_table: the protocol {data.protocol.name!r} has no rule in its "
                          f"grid (grid keys: {', '.join(data.group_keys) or 'seed only'}); a "
@@ -305,5 +391,8 @@ def rules_table(data) -> pd.DataFrame:
         "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos", keys),
         "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos", keys),
         "macs_x_forward": bill["total"] / bill["forward"],
+        "align_undefined_runs": _undefined_runs(data, table, keys),
+        "update_layers_defined": _defined(data, table, keys, "alignment/update_cos/"),
+        "teaching_populations_defined": _defined(data, table, keys, "alignment/teaching_cos/"),
     })
     return out.sort_values("test_acc_mean", ascending=False)

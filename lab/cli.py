@@ -23,9 +23,11 @@ parameters given to train/run, an unwritable directory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -204,7 +206,7 @@ def _run(args) -> int:
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
     values = {k: v for k, v in result.values.items() if not isinstance(v, dict | list)}
-    if values:
+    if values and not result.error:  # after an error they would read as the run's outcome
         print("recorded: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     return 0 if result.status == "complete" else 1
 
@@ -263,11 +265,13 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
 
 
 def _with_starting(runs: pd.DataFrame, root: Path, expected: list[str] | None) -> pd.DataFrame:
-    """Add the runs a live process holds that have no record yet (imports and data
-    loading come before the first record), so a live run is never shown missing."""
+    """Add the runs that have no record yet: a live one (imports and data loading come
+    before the first record), so it is never shown missing, and one killed before its
+    first record (its lock and executed notebook are there), so it is not invisible."""
     import pandas as pd
 
     from . import records, runlock
+    from .notebook import OUTPUT_NOTEBOOK
 
     if not root.is_dir():
         return runs
@@ -282,6 +286,12 @@ def _with_starting(runs: pd.DataFrame, root: Path, expected: list[str] | None) -
         if pid is not None:
             starting.append({"run_id": run_dir.name, "path": str(run_dir),
                              "status": f"running (pid {pid})" if pid else "running"})
+        elif (run_dir / OUTPUT_NOTEBOOK).exists():
+            # A lock alone is not a run (a refused attempt leaves one); with the executed
+            # notebook beside it, a run started there and died before its first record.
+            starting.append({"run_id": run_dir.name, "path": str(run_dir),
+                             "status": "interrupted",
+                             "error": "stopped before its first record; run it again"})
     return pd.concat([runs, pd.DataFrame(starting)], ignore_index=True) if starting else runs
 
 
@@ -387,6 +397,47 @@ def _runs(args) -> int:
     return 1 if live else 0
 
 
+_HTML = "report.html"  # rendered inside the pending directory, moved out beside it
+
+
+@contextlib.contextmanager
+def _report_lock(out: Path, base: str):
+    """One `lab report` at a time writes ``out/base``: a second one waits for the first
+    (they would delete each other's pending notebook), then makes its own."""
+    from filelock import FileLock, Timeout
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out / f".{base}.report.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"waiting for another `lab report` writing {out / base} to finish",
+              file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _interrupt_deferred():
+    """Ctrl-C during the block takes effect at its end (a few renames that belong
+    together); outside the main thread, where no handler can be set, the block just runs."""
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _report(args) -> int:
     from .notebook import NotebookError, execute, render_html
     from .sweep import load_protocol, stale_runs
@@ -418,20 +469,28 @@ def _report(args) -> int:
         if args.notebook and protocol.report and (Path(args.notebook).resolve()
                                                   != Path(protocol.report).resolve()):
             base = f"{protocol.name}.{Path(args.notebook).stem}"
-        # Executed aside, then put in place: a failed report (e.g. incomplete data) never
-        # replaces the last good one, neither its HTML nor its executed notebook.
-        pending = out / f"{base}.pending"
-        shutil.rmtree(pending, ignore_errors=True)
-        result = execute(notebook, pending, params, record=False)
+        with _report_lock(out, base):
+            # Executed aside, then put in place: a failed report (e.g. incomplete data) never
+            # replaces the last good one, neither its HTML nor its executed notebook.
+            pending = out / f"{base}.pending"
+            shutil.rmtree(pending, ignore_errors=True)
+            result = execute(notebook, pending, params, record=False)
+            name = base if result.ok else f"{base}.failed"
+            render_html(pending / Path(result.notebook).name, pending / _HTML)
+            with _interrupt_deferred():  # the notebook and its HTML replace the old together
+                shutil.rmtree(out / name, ignore_errors=True)
+                pending.rename(out / name)
+                html = out / f"{name}.html"
+                os.replace(out / name / _HTML, html)
+                if result.ok:  # a failure reported earlier is resolved: its leftovers mislead
+                    shutil.rmtree(out / f"{base}.failed", ignore_errors=True)
+                    (out / f"{base}.failed.html").unlink(missing_ok=True)
     except (ConfigError, NotebookError) as exc:
         return _error(exc)
-    name = base if result.ok else f"{base}.failed"
-    shutil.rmtree(out / name, ignore_errors=True)
-    pending.rename(out / name)
-    html = render_html(out / name / Path(result.notebook).name, out / f"{name}.html")
-    if result.ok:  # a failure reported earlier is resolved: its leftovers would mislead
-        shutil.rmtree(out / f"{base}.failed", ignore_errors=True)
-        (out / f"{base}.failed.html").unlink(missing_ok=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted; no report was made (the last one, if any, is unchanged)",
+              file=sys.stderr)
+        return 130
     if result.error:
         print(f"error: the report notebook failed: {result.error}", file=sys.stderr)
         print(f"the failed notebook: {html.resolve()}")

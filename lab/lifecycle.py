@@ -225,6 +225,7 @@ class Lifecycle:
         self._companions: dict[str, float] = {}  # each companion loss's first finite value
         self._lock = contextlib.ExitStack()
         self._held = False
+        self._watch: runlock.DirWatch | None = None  # the run directory, as locked
         self.record = records.new_record(
             run_id=self.run_id or (self.out.name if self.out else "in-memory"), kind=self.kind,
             config=self.config_dict, device=self.device)
@@ -250,6 +251,11 @@ class Lifecycle:
         self._lock.enter_context(runlock.hold(self.out))
         self._held = True
         try:
+            # The lock (ours or the parent's) moves with the directory if it is renamed;
+            # writing by path after that would make a second, unlocked run at the old path.
+            self.out.mkdir(parents=True, exist_ok=True)  # (a parent's lock may not make it)
+            self._watch = runlock.DirWatch(self.out)
+            self._lock.callback(self._watch.close)
             done = self._resume()
         except BaseException:
             self.close()
@@ -416,6 +422,8 @@ class Lifecycle:
         if self.out is None:
             self.pending = []
             return
+        if self._watch is not None:  # RunMoved (both paths named) before anything is written
+            self._watch.check()
         start = self.record["rows"].get(self.axis, 0)
         if self.pending:
             records.write_part(self.out, self.axis, self.pending, start)
@@ -472,9 +480,10 @@ class Lifecycle:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
-        # An interrupt leaves the run resumable; a refusal never touches the run.
+        # An interrupt leaves the run resumable; a refusal never touches the run, nor does
+        # a run whose directory moved away (what it saved is there, resumable).
         if exc is not None and self._held and self.status == "running" \
-                and not isinstance(exc, KeyboardInterrupt):
+                and not isinstance(exc, KeyboardInterrupt | runlock.RunMoved):
             self.fail(f"{type(exc).__name__}: {exc}")
         self.close()
 

@@ -603,17 +603,58 @@ def _papermill(notebook: Path, target: Path, params: dict, timeout: float | None
     """Run papermill; returns the error text if the notebook failed, None if it ran."""
     import papermill
 
-    try:
-        papermill.execute_notebook(
-            str(notebook), str(target), parameters=params, kernel_name=KERNEL,
-            progress_bar=False, log_output=log_output, execution_timeout=timeout,
-            extra_arguments=KERNEL_ARGS,
-            # Every output is on disk by now and run files are written atomically;
-            # a graceful shutdown waits seconds for torch's exit handlers.
-            shutdown_kernel="immediate", **_papermill_options())
-    except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
-        return _describe_error(err, notebook, target)
+    with _ctrl_c_watch() as seen:
+        try:
+            papermill.execute_notebook(
+                str(notebook), str(target), parameters=params, kernel_name=KERNEL,
+                progress_bar=False, log_output=log_output, execution_timeout=timeout,
+                extra_arguments=KERNEL_ARGS,
+                # Every output is on disk by now and run files are written atomically;
+                # a graceful shutdown waits seconds for torch's exit handlers.
+                shutdown_kernel="immediate", **_papermill_options())
+        except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
+            if seen:  # ... unless it is the kernel dying of the same Ctrl-C
+                raise KeyboardInterrupt from None
+            return _describe_error(err, notebook, target)
     return None
+
+
+# Loggers that report a kernel's death; after a Ctrl-C that death is the interrupt itself.
+_QUIET_AFTER_CTRL_C = ("asyncio", "papermill", "nbclient", "traitlets")
+
+
+@contextlib.contextmanager
+def _ctrl_c_watch():
+    """Ctrl-C during a notebook's execution: a KeyboardInterrupt at once, remembered.
+
+    Ctrl-C reaches the kernel too (one process group), and asyncio's own handler (3.11's
+    Runner installs one over the default) only cancels the running task: when the kernel's
+    death wins that race, papermill raised DeadKernelError, the run was marked failed with
+    "Kernel died" and asyncio printed a traceback. Our handler (not the default, so asyncio
+    leaves it) raises at once and records the interrupt; a failure after it is the
+    interrupt. Outside the main thread (a sweep worker) no handler can be set: no-op.
+    """
+    import logging
+    import signal
+
+    seen: list[bool] = []
+
+    def handler(signum, frame):
+        if not seen:
+            for name in _QUIET_AFTER_CTRL_C:
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield seen
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _is_metric(value: Any) -> bool:
@@ -821,7 +862,7 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     if decision == "done":
         return _skipped(run_id, out, state)
     moved = runlock.move_aside(out) if decision == "replace" else None
-    with runlock.acquire(out):
+    with runlock.acquire(out) as lock:
         # Decided again under the lock: another process may have finished it meanwhile.
         decision, state = decide(out, resolved, "never", locked=True)
         if decision == "done":
@@ -829,17 +870,26 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
         env = {**(env or {}), runlock.ENV: str(out),  # the trainer's hold() is then a no-op
                runlock.PARAMS_ENV: json.dumps(resolved.extras) if resolved.extras else None}
         result = _execute(notebook, out, injected, resolved, run_id, threads, env, moved,
-                          timeout, log_output, record=True)
+                          timeout, log_output, record=True, lock=lock)
     return result
 
 
 def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_id: str,
              threads: int | None, env, moved: Path | None, timeout: float | None,
-             log_output: bool, record: bool = False) -> RunResult:
+             log_output: bool, record: bool = False,
+             lock: runlock.RunLock | None = None) -> RunResult:
     target = out / OUTPUT_NOTEBOOK
     start, started = time.perf_counter(), time.time()
     with _kernel_env(threads, env):
         error = _papermill(notebook, target, injected, timeout, log_output)
+    if lock is not None:
+        try:
+            lock.check_in_place()
+        except runlock.RunMoved as err:
+            # Any write by the old path would make a second, unlocked run there; what the
+            # trainer saved is in the moved directory, resumable from there.
+            return RunResult(run_id, out, target, "failed", str(err), {},
+                             time.perf_counter() - start, moved_aside=moved)
     # Writing the outcome down can itself fail (a directory made read-only mid-run):
     # then the error that ended the run is reported first, the failed write after it.
     try:

@@ -1,12 +1,21 @@
 """One process at a time in a run directory: an OS file lock that dies with its holder.
 
-A run directory is locked (``fcntl``-style lock through the ``filelock``
-library) while a process trains or executes in it, so two sweeps never run
-the same run and a refused attempt cannot touch a finished one. The kernel
-releases the lock when the holder dies, so a ``kill -9`` never leaves it
-stuck. The holder writes its pid beside the lock, which lets ``lab runs`` tell
-a live run (``running``, pid) from an interrupted one (the record says
-``running`` but nobody holds the lock).
+A run directory is locked (an exclusive ``flock`` on ``<run>/.lock``) while a
+process trains or executes in it, so two sweeps never run the same run and a
+refused attempt cannot touch a finished one. The kernel releases the lock when
+the holder dies, so a ``kill -9`` never leaves it stuck. The holder writes its
+pid beside the lock, which lets ``lab runs`` tell a live run (``running``, pid)
+from an interrupted one (the record says ``running`` but nobody holds the lock).
+
+Readers (``lab runs``, a sweep's plan, ``lab report``) test the lock with a
+*shared* flock for an instant; a writer that finds the lock taken tells a
+reader's shared lock from another writer's exclusive one and waits out the
+reader (:data:`READER_GRACE_S`), so a status check never makes a run fail.
+
+A directory renamed (or deleted) while a process works in it would be made
+again by the next write to its old path, splitting the run in two with no lock
+held there; :class:`DirWatch` notices it first and :class:`RunMoved` names both
+paths.
 
 A parent that holds the lock for a child doing the work (the sweep holds it
 while the notebook kernel trains) exports ``LAB_RUN_LOCK=<absolute run dir>``
@@ -20,13 +29,13 @@ single source of a run's status) and its lock, without writing anything;
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from .config import ConfigError
 
@@ -34,6 +43,9 @@ LOCK_FILE = ".lock"
 PID_FILE = ".lock.pid"
 ENV = "LAB_RUN_LOCK"
 PARAMS_ENV = "LAB_NOTEBOOK_PARAMS"
+# How long a writer waits for readers' instant shared locks to go before it gives up. A
+# reader holds one for microseconds; this only bounds a pathological stream of them.
+READER_GRACE_S = 2.0
 
 
 class RunLocked(RuntimeError):
@@ -46,20 +58,102 @@ class RunLocked(RuntimeError):
         self.run_dir, self.pid = run_dir, pid
 
 
-class RunLock:
-    """A held lock on one run directory; ``release()`` (or leaving ``with``) frees it."""
+class RunMoved(OSError):
+    """The run directory was renamed or deleted while a process worked in it."""
 
-    def __init__(self, run_dir: Path, lock: FileLock | None):
-        self.run_dir, self._lock = run_dir, lock
+
+class DirWatch:
+    """Notices that a directory is no longer at its path (renamed, deleted, replaced).
+
+    It keeps the directory open, so the error can say where it went (Linux
+    ``/proc/self/fd``, macOS ``F_GETPATH``), and compares (device, inode) of the
+    path with the open directory's. A process that writes by path after a rename
+    would re-create the old path and split the run in two.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self._id = _identity(os.fstat(self._fd))
+
+    @property
+    def fd(self) -> int | None:
+        """The open directory (wherever it is now), or None once closed."""
+        return self._fd
+
+    def moved(self) -> bool:
+        """True if the path no longer names the directory opened (renamed, deleted)."""
+        if self._fd is None:
+            return False
+        try:
+            return _identity(os.stat(self.path)) != self._id
+        except OSError:
+            return True
+
+    def check(self) -> None:
+        """RunMoved (naming both paths, where the new one can be found) if the directory
+        left its path."""
+        if not self.moved():
+            return
+        now = _fd_path(self._fd)
+        where = (f"was moved to {now}" if now else "was moved or deleted")
+        kept = (f" The rows saved so far are in {now}: give that directory to resume there"
+                if now else "")
+        raise RunMoved(f"run directory {self.path} {where} while the run worked in it; "
+                       f"stopped without writing to {self.path}, so the run is not split in "
+                       f"two.{kept}")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd = None
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
+
+
+def _fd_path(fd: int) -> str | None:
+    """The current path of an open file or directory, where the OS tells it."""
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+        if hasattr(fcntl, "F_GETPATH"):  # macOS
+            return fcntl.fcntl(fd, fcntl.F_GETPATH, bytes(1024)).split(b"\0", 1)[0].decode()
+        link = os.readlink(f"/proc/self/fd/{fd}")  # Linux; "<path> (deleted)" when deleted
+        return link if link.startswith("/") and not link.endswith(" (deleted)") else None
+    return None
+
+
+class RunLock:
+    """A held lock on one run directory; ``release()`` (or leaving ``with``) frees it.
+
+    ``fd`` is None when a parent process holds the lock for us (``LAB_RUN_LOCK``).
+    """
+
+    def __init__(self, run_dir: Path, fd: int | None):
+        self.run_dir, self._fd = run_dir, fd
+        self.watch = DirWatch(run_dir) if fd is not None else None
+
+    def check_in_place(self) -> None:
+        """RunMoved if the locked directory was renamed or deleted since it was locked
+        (writing by its old path would then make a second, unlocked directory there)."""
+        if self.watch is not None:
+            self.watch.check()
 
     def release(self) -> None:
-        if self._lock is not None and self._lock.is_locked:
+        if self._fd is not None:
             # The pid file only names the holder for `lab runs`: failing to remove it (a
             # directory made read-only meanwhile) must not hide the error that ended the run.
+            # Removed through the open directory: if it was renamed meanwhile, the pid file
+            # is in the new place, and the old path is not ours any more.
             with contextlib.suppress(OSError):
-                (self.run_dir / PID_FILE).unlink(missing_ok=True)
-            self._lock.release()
-        self._lock = None
+                os.unlink(PID_FILE, dir_fd=self.watch.fd)
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+        if self.watch is not None:
+            self.watch.close()
+        self._fd = None
 
     def __enter__(self) -> RunLock:
         return self
@@ -86,22 +180,67 @@ def check_run_dir(out: Path, name: str = "out_dir") -> None:
                           "write to")
 
 
-def _file_lock(run_dir: Path) -> FileLock:
-    # thread_local=False: a sweep worker may take and release it from different threads.
-    return FileLock(run_dir / LOCK_FILE, thread_local=False)
+# Why flock with a shared/exclusive split, and not fcntl's F_GETLK (which tests a lock
+# without taking it): F_GETLK sees only POSIX record locks, which are per process (any
+# close() of the file by the holder drops them) and, on Linux, invisible to flock and
+# vice versa; OFD locks (F_OFD_GETLK) fix that on Linux only. flock is per open file, is
+# dropped by the kernel when the holder dies, and behaves the same on Linux and macOS; a
+# reader's LOCK_SH never conflicts with another reader, and a writer can tell a reader's
+# LOCK_SH (it can take LOCK_SH too) from a writer's LOCK_EX (it cannot).
+
+
+def _flock(fd: int, how: int) -> bool:
+    """Try ``flock(how | LOCK_NB)``; False if someone holds a conflicting lock."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _only_readers(path: Path) -> bool:
+    """True if the lock at ``path`` is free or held only shared (by readers)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # gone (the directory moved aside): the retry opens it afresh
+    try:
+        return _flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # drops the shared lock just taken
 
 
 def acquire(run_dir) -> RunLock:
-    """Lock ``run_dir`` (created if missing) without waiting; RunLocked if it is held."""
+    """Lock ``run_dir`` (created if missing) without waiting for another writer;
+    RunLocked if one holds it. A reader's instant check is waited out."""
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = _file_lock(run_dir)
+    path = run_dir / LOCK_FILE
+    deadline = time.monotonic() + READER_GRACE_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if _flock(fd, fcntl.LOCK_EX) and _still_at(fd, path):
+                (run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+                return RunLock(run_dir, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if not _only_readers(path) or time.monotonic() > deadline:
+            raise RunLocked(run_dir, live_pid(run_dir))
+        time.sleep(0.002)
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """False if the file open as ``fd`` left ``path`` (its directory was moved aside
+    meanwhile): a lock on it guards nothing at ``path`` any more."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise RunLocked(run_dir, _pid(run_dir)) from None
-    (run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
-    return RunLock(run_dir, lock)
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _pid(run_dir: Path) -> int | None:
@@ -111,20 +250,43 @@ def _pid(run_dir: Path) -> int | None:
         return None
 
 
-def holder(run_dir) -> int | None:
-    """The pid of the live process holding ``run_dir`` (0 if unknown), or None if free."""
-    run_dir = Path(run_dir).resolve()
-    if not (run_dir / LOCK_FILE).exists():
+def live_pid(run_dir) -> int | None:
+    """The pid in ``run_dir``'s pid file if that process is alive, else None (a pid file
+    left by a killed holder names a dead process, or one that reuses its number later)."""
+    pid = _pid(Path(run_dir))
+    if not pid or pid < 0:
         return None
-    lock = _file_lock(run_dir)
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return _pid(run_dir) or 0
-    except OSError:  # a read-only directory: nobody can be training in it
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return None
-    lock.release()
-    return None
+    except PermissionError:
+        pass  # alive, another user's
+    except OSError:
+        return None
+    with contextlib.suppress(OSError, IndexError):  # Linux: a zombie holds no lock
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+    return pid
+
+
+def holder(run_dir) -> int | None:
+    """The pid of the live process holding ``run_dir`` (0 if unknown), or None if free.
+
+    Tested with a shared lock held for an instant: a writer acquiring meanwhile waits it
+    out (see :func:`acquire`), so this read never makes a run fail to start.
+    """
+    path = Path(run_dir).resolve() / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file (never locked), or unreadable: nobody trains there
+        return None
+    try:
+        if _flock(fd, fcntl.LOCK_SH):
+            return None
+    finally:
+        os.close(fd)
+    return live_pid(path.parent) or 0
 
 
 def notebook_params(run_dir) -> dict | None:

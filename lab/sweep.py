@@ -83,7 +83,7 @@ from . import records
 from .config import ConfigError, bounded, field_names, read_yaml_mapping, validate
 
 SEED_KEY = "seed"
-_UNSAFE = re.compile(r"[^A-Za-z0-9.=,+-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9.=,+_-]+")  # outside a protocol name's characters
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-_")
 _KEY_CHARS = _ID_CHARS - {"=", ","}  # a dict key inside an id: a parameter name
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
@@ -118,7 +118,8 @@ class Protocol:
         validate(self)
         if not self.name or _UNSAFE.search(self.name):
             raise ProtocolError(f"Protocol.name={self.name!r} is not allowed; use a non-empty "
-                                "name of letters, digits and . = , + - (it names directories)")
+                                "name of ASCII letters, digits and . = , + - _ (it names "
+                                "directories and report files)")
         if not self.grid:
             raise ProtocolError("Protocol.grid is empty; give at least one parameter with a "
                                 "list of values, e.g. grid: {seed: [0, 1]}")

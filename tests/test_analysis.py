@@ -7,6 +7,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import matplotlib
@@ -224,6 +225,70 @@ def test_report_refuses_incomplete_data(fixture_copy, tmp_path, capsys):
                     fixture_copy / "runs" / "lr-0.2_rule-bp_seed-1")
     assert cli_main(args) == 0
     assert not failed.exists() and not (reports / "fixture.failed").exists()
+
+
+def test_a_second_report_of_one_protocol_waits_for_the_first(tmp_path, capsys):
+    # Two at once deleted each other's pending notebook: one crashed with a traceback and
+    # called its own good report failed.
+    import threading
+
+    from filelock import FileLock
+
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    taken = threading.Event()
+
+    def other_report():  # holds the report's lock for a second, as another process would
+        with FileLock(reports / ".fixture.report.lock"):
+            taken.set()
+            time.sleep(1.0)
+
+    threading.Thread(target=other_report).start()
+    taken.wait()
+    assert cli_main(["report", str(FIXTURE / "protocol.yaml"), "--notebook", str(SUMMARY),
+                     "--out", str(reports)]) == 0
+    captured = capsys.readouterr()
+    assert f"waiting for another `lab report` writing {reports / 'fixture'} to finish" \
+        in captured.err
+    assert sorted(p.name for p in reports.iterdir()) == [".fixture.report.lock", "fixture",
+                                                         "fixture.html"]
+    assert sorted(p.name for p in (reports / "fixture").iterdir()) == ["notebook.ipynb"]
+
+
+def test_ctrl_c_during_a_report_is_one_line_and_keeps_the_last_report(tmp_path, capsys,
+                                                                       monkeypatch):
+    import lab.notebook
+
+    reports = tmp_path / "reports"
+    args = ["report", str(FIXTURE / "protocol.yaml"), "--notebook", str(SUMMARY),
+            "--out", str(reports)]
+    assert cli_main(args) == 0
+    good = (reports / "fixture.html").read_bytes()
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab.notebook, "execute", interrupted)
+    assert cli_main(args) == 130
+    assert capsys.readouterr().err == ("\ninterrupted; no report was made (the last one, if "
+                                       "any, is unchanged)\n")
+    assert (reports / "fixture.html").read_bytes() == good
+
+
+def test_ctrl_c_inside_the_swap_waits_for_its_end():
+    import os
+    import signal
+
+    from lab.cli import _interrupt_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupt_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the signal")  # still runs: the interrupt waits
+    assert done == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_report_renders_html(tmp_path, capsys):

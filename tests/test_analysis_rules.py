@@ -184,15 +184,133 @@ def test_one_seeds_missing_last_epoch_alignment_is_not_filled_from_an_earlier_ep
                                          r"epoch of run\(s\) rule-kp_seed-1 \(epoch 2\); an "
                                          r"earlier epoch's value is not the last epoch's$"):
         compare._last_epoch_mean(data, data.table(), "alignment/mean_update_cos")
-    # A non-finite last value is named as such.
+    # An infinite last value is a fault, named as such (NaN is a result: see below).
     m = data.metrics.copy()
     m.loc[(m["run_id"] == "rule-dfa_seed-0") & (m["index"] == 2)
-          & (m["metric"] == "alignment/mean_teaching_cos"), "value"] = math.nan
+          & (m["metric"] == "alignment/mean_teaching_cos"), "value"] = math.inf
     data.metrics = m
     with pytest.raises(IncompleteProtocolError) as err:
         compare.check_rules_complete(data)
-    assert ("rule-dfa_seed-0: non-finite at its last epoch (2): "
-            "alignment/mean_teaching_cos (nan)") in err.value.problems
+    assert ("rule-dfa_seed-0: infinite at its last epoch (2): "
+            "alignment/mean_teaching_cos (inf)") in err.value.problems
+
+
+def _silence(data, run_id, prefix="alignment/", epochs=(0, 1, 2)):
+    """``data`` with ``run_id``'s alignment metrics under ``prefix`` measured but NaN
+    (undefined: what a network that fell silent records)."""
+    m = data.metrics.copy()
+    m.loc[(m["run_id"] == run_id) & m["index"].isin(epochs) & (m["axis"] == "epoch")
+          & m["metric"].str.startswith(prefix), "value"] = math.nan
+    data.metrics = m
+    return data
+
+
+def _last_alignment(rule, seed):
+    return records.load_record(RULES_FIXTURE.parent / "runs" / f"rule-{rule}_seed-{seed}")[
+        "trajectory"][-1]["alignment"]
+
+
+def test_a_complete_run_whose_alignment_is_undefined_is_summarised_not_refused():
+    # kp seed 0 fell silent: every cosine measured and NaN. dfa: both seeds silent.
+    data = _rules_data()
+    for run_id in ("rule-kp_seed-0", "rule-dfa_seed-0", "rule-dfa_seed-1"):
+        _silence(data, run_id)
+    compare.check_rules_complete(data)  # a result, not a gap: no error
+    got = compare.rules_table(data)
+    acc = {(r, s): 100 * records.load_record(RULES_FIXTURE.parent / "runs" /
+                                             f"rule-{r}_seed-{s}")["final"]["test_acc"]
+           for r in ("bp", "kp", "dfa") for s in (0, 1)}
+    for rule in ("bp", "kp", "dfa"):  # accuracy covers every run
+        assert got.loc[rule, "test_acc_mean"] == pytest.approx(
+            (acc[rule, 0] + acc[rule, 1]) / 2, abs=1e-9)
+    # kp's alignment: over the seed where it is defined, i.e. seed 1's own values.
+    seed1 = _last_alignment("kp", 1)
+    assert got.loc["kp", "update_cos"] == pytest.approx(seed1["mean_update_cos"], abs=1e-12)
+    assert got.loc["kp", "teaching_cos"] == pytest.approx(seed1["mean_teaching_cos"], abs=1e-12)
+    hidden = statistics.mean(v for k, v in seed1["update_cos"].items() if k != "fc")
+    assert got.loc["kp", "update_cos_hidden"] == pytest.approx(hidden, abs=1e-12)
+    # dfa: defined nowhere, so NaN, and counted; bp: untouched.
+    for column in ("update_cos", "update_cos_hidden", "teaching_cos"):
+        assert math.isnan(got.loc["dfa", column])
+    assert got.loc["bp", "update_cos"] == pytest.approx(1.0, abs=1e-9)
+    assert got["align_undefined_runs"].to_dict() == {"bp": 0, "kp": 1, "dfa": 2}
+    # Over how many of the 8 layers and 7 populations it is defined, mean over seeds.
+    layers, populations = len(seed1["update_cos"]), len(seed1["teaching_cos"])
+    assert (layers, populations) == (8, 7)
+    assert got["update_layers_defined"].to_dict() == {"bp": layers, "kp": layers / 2, "dfa": 0}
+    assert got["teaching_populations_defined"].to_dict() == {"bp": populations,
+                                                             "kp": populations / 2, "dfa": 0}
+    note = compare.alignment_note(got)
+    assert note.startswith("Alignment undefined (NaN) at some layer or population at the last "
+                           "epoch in 3 run(s): ")
+    assert "kp (1 run(s); defined at 4 layers and 3.5 populations, mean over seeds)" in note
+    assert "dfa (2 run(s); defined at 0 layers and 0 populations" in note and "bp" not in note
+
+
+def test_one_undefined_layer_counts_its_run_and_leaves_the_other_layers_mean():
+    data = _silence(_rules_data(), "rule-kp_seed-0", "alignment/update_cos/stem", (2,))
+    got = compare.rules_table(data)
+    assert got["align_undefined_runs"].to_dict() == {"bp": 0, "kp": 1, "dfa": 0}
+    assert got.loc["kp", "update_layers_defined"] == 7.5  # 7 of 8 layers, and 8 of 8
+    assert got.loc["kp", "teaching_populations_defined"] == 7
+    rows = [_last_alignment("kp", s)["update_cos"] for s in (0, 1)]
+    hidden = [statistics.mean(v for k, v in row.items() if k not in ("fc", "stem"))
+              for row in rows[:1]]
+    hidden.append(statistics.mean(v for k, v in rows[1].items() if k != "fc"))
+    assert got.loc["kp", "update_cos_hidden"] == pytest.approx(statistics.mean(hidden),
+                                                               abs=1e-12)
+    assert compare.alignment_note(compare.rules_table(_rules_data())) == ""
+
+
+def test_not_measured_is_refused_with_advice_even_beside_an_undefined_run():
+    data = _silence(_rules_data(), "rule-kp_seed-0")
+    m = data.metrics
+    data.metrics = m[~((m["run_id"] == "rule-dfa_seed-1") & (m["index"] == 2)
+                       & (m["metric"] == "alignment/mean_teaching_cos"))]
+    with pytest.raises(IncompleteProtocolError) as err:
+        compare.rules_table(data)
+    # Only the run that lacks the field is named; the undefined one is a result.
+    assert err.value.problems == [
+        "rule-dfa_seed-1: 'alignment/mean_teaching_cos' missing at its last epoch (2)"]
+    assert str(err.value).endswith("(alignment_every: 1 measures every epoch).")
+    # Without a missing field there is no advice about alignment_every.
+    data = _silence(_rules_data(), "rule-kp_seed-0")
+    m = data.metrics.copy()
+    m.loc[(m["run_id"] == "rule-bp_seed-0") & (m["metric"] == "alignment/update_cos/fc"),
+          "value"] = -math.inf
+    data.metrics = m
+    with pytest.raises(IncompleteProtocolError) as err:
+        compare.rules_table(data)
+    assert "alignment_every" not in str(err.value)
+    assert err.value.problems == [
+        "rule-bp_seed-0: metrics under 'alignment/' is non-finite (-inf in "
+        "alignment/update_cos/fc) at epochs 0-2"]
+
+
+def test_per_seed_table_is_each_runs_own_value():
+    data = _rules_data()
+    acc = compare.per_seed_table(data, "final.test_acc")
+    teaching = compare.per_seed_table(data, "alignment/mean_teaching_cos")
+    for frame in (acc, teaching):
+        assert list(frame.columns) == ["seed 0", "seed 1"]
+        assert sorted(frame.index) == ["bp", "dfa", "kp"]
+    for rule in ("bp", "kp", "dfa"):
+        for seed in (0, 1):
+            record = records.load_record(RULES_FIXTURE.parent / "runs" / f"rule-{rule}_seed-{seed}")
+            assert acc.loc[rule, f"seed {seed}"] == record["final"]["test_acc"]
+            assert teaching.loc[rule, f"seed {seed}"] == pytest.approx(
+                record["trajectory"][-1]["alignment"]["mean_teaching_cos"], abs=1e-15)
+    # Its rows are what rules_table's mean summarises.
+    table = compare.rules_table(data)
+    assert (100 * acc.mean(axis=1)).to_dict() == pytest.approx(
+        table["test_acc_mean"].to_dict(), abs=1e-9)
+    # A grid of rule x weight_decay keeps each grid point apart.
+    by_point = compare.per_seed_table(_rule_x_decay_data(), "final.test_acc")
+    assert by_point.index.names == ["rule", "weight_decay"] and len(by_point) == 6
+    with pytest.raises(KeyError, match=r"per_seed_table: 'alignment/nope' is neither a column "
+                                       r"of the runs' table \(run_id, rule, seed, .*\) nor an "
+                                       r"epoch metric at the runs' last epoch"):
+        compare.per_seed_table(data, "alignment/nope")
 
 
 def test_rule_figures_and_bill_refuse_an_empty_table(runs):
@@ -291,3 +409,19 @@ def test_rules_table_refuses_a_grid_without_rule():
     with pytest.raises(ValueError, match=r"^rules_table: the protocol 'rules-fixture' has no "
                                          r"rule in its grid \(grid keys: seed only\)"):
         compare.rules_table(data)
+
+
+def test_undefined_names_are_a_list_not_a_bare_string():
+    from analysis.completeness import find_problems
+
+    data = _rules_data()
+    with pytest.raises(TypeError, match=r"^undefined must be a list of metric names, got "
+                                        r"'alignment/' \(str\)$"):
+        find_problems(data.runs, data.metrics, data.expected_ids, undefined="alignment/")
+    # Without ``undefined`` a NaN alignment is a problem of completeness; with it, a result.
+    _silence(data, "rule-kp_seed-0", "alignment/update_cos/stem", (2,))
+    assert find_problems(data.runs, data.metrics, data.expected_ids) == [
+        "rule-kp_seed-0: metrics under 'alignment/' is non-finite (nan in "
+        "alignment/update_cos/stem) at epochs 2"]
+    assert find_problems(data.runs, data.metrics, data.expected_ids,
+                         undefined=compare.UNDEFINED) == []

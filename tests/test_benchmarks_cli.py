@@ -108,3 +108,74 @@ def test_fig_wd_kp_refuses_a_missing_directory_and_unfinished_runs(tmp_path, cap
     with pytest.raises(SystemExit, match=r"1 run\(s\) under .* are not complete: b \(running\)"):
         fig.cli([str(tmp_path), str(tmp_path / "f.png")])
     assert not (tmp_path / "f.png").exists()
+
+
+def _wd_runs(root, seeds=(0, 1)):
+    """Synthetic wd-kp runs: kp and bp x two decays, known accuracy and cos(B, W)."""
+    from lab import records
+
+    acc, cos = {}, {}
+    for rule in ("kp", "bp"):
+        for decay in (0.001, 0.01):
+            for seed in seeds:
+                run_id = f"rule-{rule}_seed-{seed}_weight_decay-{decay}"
+                acc[run_id] = 0.9 + 0.01 * seed + (0.05 if rule == "bp" else 0) + decay
+                # A last-epoch mean and min cos(B, W), and an earlier row that must not count.
+                cos[run_id] = (0.5 + 40 * decay + 0.01 * seed, 0.2 + 50 * decay + 0.02 * seed)
+                config = {"rule": rule, "weight_decay": decay, "seed": seed, "dataset": "mnist1d",
+                          "depth": 20, "width": 16, "epochs": 2, "optimizer": "sgd",
+                          "schedule": "onecycle"}
+                record = records.new_record(run_id=run_id, kind="conv", config=config)
+                feedback = [{"mean_cos": 0.1, "min_cos": 0.05},
+                            {"mean_cos": cos[run_id][0], "min_cos": cos[run_id][1]}]
+                record["trajectory"] = [
+                    {"epoch": e, "train_loss": 1.0,
+                     "rule": {"feedback": fb} if rule == "kp" else {}}
+                    for e, fb in enumerate(feedback)]
+                record["final"] = {"test_acc": acc[run_id]}
+                record["status"] = "complete"
+                records.save_run(root / run_id, record)
+    return acc, cos
+
+
+def test_fig_wd_kp_prints_the_readme_table_from_the_records(tmp_path, capsys):
+    import statistics
+
+    fig = _load("fig_wd_kp")
+    acc, cos = _wd_runs(tmp_path)
+    fig.cli([str(tmp_path)])  # no figure path: the table only
+    out = capsys.readouterr().out
+    assert out.startswith("mnist1d, ResNet-20 width 16, 2 epochs, sgd onecycle; 2 seed(s) "
+                          "per point\n\n| weight decay | kp test acc (%) | kp cos(B, W) at the "
+                          "end, mean over layers (min) | bp test acc (%) |\n| --- |")
+    rows = [line for line in out.splitlines() if line.startswith("| 1e-")]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1e-3", "| 1e-2"]
+    for row, decay in zip(rows, (0.001, 0.01)):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        for cell, rule in ((cells[1], "kp"), (cells[3], "bp")):
+            values = [100 * acc[f"rule-{rule}_seed-{s}_weight_decay-{decay}"] for s in (0, 1)]
+            mean, std = (float(part) for part in cell.split(" ± "))
+            assert mean == pytest.approx(statistics.mean(values), abs=0.005)
+            assert std == pytest.approx(statistics.stdev(values), abs=0.005)
+            assert std > 0.5  # seeds differ by a point: a real spread, not 0
+        mean_cos, low = cells[2].split(" (")
+        kp = [cos[f"rule-kp_seed-{s}_weight_decay-{decay}"] for s in (0, 1)]
+        assert float(mean_cos) == pytest.approx(statistics.mean(c for c, _ in kp), abs=5e-4)
+        assert float(low.rstrip(")")) == pytest.approx(min(m for _, m in kp), abs=5e-3)
+    assert [row.split(" | ")[2] for row in rows] == ["0.545 (0.25)", "0.905 (0.70)"]
+    # With a path the same table is printed and the figure is written.
+    fig.cli([str(tmp_path), str(tmp_path / "f.png")])
+    assert rows[0] in capsys.readouterr().out and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_fig_wd_kp_table_shows_one_seed_without_a_spread_and_a_missing_rule(tmp_path, capsys):
+    from lab import records
+
+    fig = _load("fig_wd_kp")
+    acc, _ = _wd_runs(tmp_path, seeds=(0,))
+    for run_id in [r for r in acc if r.startswith("rule-bp") and r.endswith("0.01")]:
+        (tmp_path / run_id / records.RECORD_FILE).unlink()
+    fig.cli([str(tmp_path)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1e-")]
+    assert rows == ["| 1e-3 | 90.10 | 0.540 (0.25) | 95.10 |",
+                    "| 1e-2 | 91.00 | 0.900 (0.70) | — |"]

@@ -503,7 +503,7 @@ def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_pat
     assert cli_main(["report", protocol, "--out", str(reports)]) == 0
     assert cli_main(["report", protocol, "--notebook", str(other), "--out", str(reports)]) == 0
     assert f"report: {(reports / 'fixture.my-summary.html').resolve()}" in capsys.readouterr().out
-    assert sorted(p.name for p in reports.iterdir()) == [
+    assert sorted(p.name for p in reports.iterdir() if not p.name.startswith(".")) == [
         "fixture", "fixture.html", "fixture.my-summary", "fixture.my-summary.html"]
     # --runs naming no directory is refused before anything executes
     assert cli_main(["report", protocol, "--runs", str(tmp_path / "nope"), "--out",
@@ -764,3 +764,32 @@ def test_yes_and_a_tuple_as_text_say_how_to_write_them(tmp_path, capsys, no_kern
     assert "CfCAuxConfig.horizons must be tuple, got '(1,5)' (str); give a YAML list such as " \
         "[1, 5, 20]" in _one_paragraph(capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_killed_before_its_first_record_is_listed_interrupted(tmp_path, capsys):
+    # What `kill -9` of `lab run` during imports leaves: the lock (nobody holds it) and
+    # the executed notebook papermill wrote first, no record.json.
+    def killed_early(run_dir: Path) -> None:
+        runlock.acquire(run_dir).release()
+        shutil.copy(ECHO, run_dir / lab.notebook.OUTPUT_NOTEBOOK)
+
+    killed_early(tmp_path / "kd7")
+    (tmp_path / "refused").mkdir()  # a lock alone is not a run
+    runlock.acquire(tmp_path / "refused").release()
+    _record(tmp_path / "done", "complete")
+    table, bad = runs_table(tmp_path)
+    assert not bad
+    assert dict(zip(table["dir"], table["status"])) == {"done": "complete",
+                                                         "kd7": "interrupted"}
+    assert "before its first record" in table.set_index("dir").loc["kd7", "error"]
+    for target in (tmp_path / "kd7", tmp_path):
+        assert cli_main(["runs", str(target)]) == 0
+        out = capsys.readouterr().out
+        assert "no runs under" not in out
+        assert ("kd7 . interrupted" if target.name == "kd7" else "kd7 kd7 interrupted") \
+            in " ".join(out.split())
+    # A protocol's run killed that way is interrupted, not missing.
+    path = _conv_protocol(tmp_path, {"epochs": 1})
+    killed_early(tmp_path / "runs" / "seed-0")
+    table, _ = runs_table(path)
+    assert table[["run_id", "status"]].values.tolist() == [["seed-0", "interrupted"]]

@@ -477,3 +477,56 @@ def test_a_diverging_aux_path_stops_the_cfc_run(tmp_path):
     healthy = train_cfc_aux(CfCAuxConfig(**{**as_dict(config), "aux_lr": 1e-3, "steps": 10}),
                             tmp_path / "ok")
     assert healthy["status"] == "complete"
+
+
+# ---------------------------------------------------------------------------
+# the run directory renamed while the run trains
+
+
+def _rename_at(monkeypatch, old, new, at: int) -> None:
+    """Rename the run directory just before row ``at`` is logged (a user's `mv`)."""
+    real = Lifecycle.log
+
+    def log(self, row):
+        if len(self.rows_logged) == at:
+            os.rename(old, new)
+        return real(self, row)
+
+    monkeypatch.setattr(Lifecycle, "log", log)
+
+
+@pytest.mark.parametrize("parent_holds", [False, True])
+def test_a_run_whose_directory_is_renamed_stops_without_recreating_it(tmp_path, monkeypatch,
+                                                                      parent_holds):
+    from lab import runlock
+
+    config = SyntheticConfig(steps=30, checkpoint_every=5)
+    old, new = tmp_path / "mv1", tmp_path / "mv1b"
+    parent = None
+    if parent_holds:  # `lab run` / a sweep holds the lock for the notebook's kernel
+        parent = runlock.acquire(old)
+        monkeypatch.setenv(runlock.ENV, str(old))
+    _rename_at(monkeypatch, old, new, at=7)
+    with pytest.raises(runlock.RunMoved) as err:
+        train_synthetic(config, old)
+    message = str(err.value)
+    assert f"run directory {old} was moved to {new} " in message
+    assert f"stopped without writing to {old}" in message
+    assert not old.exists()  # not re-created: no second, unlocked run there
+    if parent is not None:
+        with pytest.raises(runlock.RunMoved, match=f"{old} was moved to {new} "):
+            parent.check_in_place()
+        parent.release()
+        assert not old.exists()
+    assert not (new / runlock.PID_FILE).exists()  # the holder's pid went with its lock
+    # What it saved stays in the renamed directory: rows up to the checkpoint at 5,
+    # status running (interrupted, resumable), nothing marked failed.
+    saved = records.load_record(new)
+    assert (saved["status"], saved["error"], saved["rows"]) == ("running", None, {"step": 5})
+    assert runlock.inspect(new).status == "interrupted"
+    monkeypatch.undo()
+    resumed = train_synthetic(config, new)
+    fresh = train_synthetic(config, tmp_path / "fresh")
+    assert resumed["status"] == "complete" and len(_rows(resumed)) == 30
+    assert json.dumps(_rows(resumed)) == json.dumps(_rows(fresh))
+    assert resumed["final"] == fresh["final"]

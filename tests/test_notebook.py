@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -537,3 +538,34 @@ def test_data_dir_blank_is_the_directory_it_stands_for(tmp_path, monkeypatch):
     cache = tmp_path / ".cache" / "lab"
     assert differences({**named, "data_dir": str(cache)}, blank) == []
     assert differences(named, blank) != []
+
+
+def test_a_kernel_dying_of_the_same_ctrl_c_is_an_interrupt_not_a_failure(tmp_path,
+                                                                          monkeypatch):
+    # Ctrl-C reaches the kernel too; when its death won the race against asyncio's
+    # cancellation, papermill raised DeadKernelError and the run was marked failed with
+    # "Kernel died" (plus an asyncio traceback).
+    import signal
+
+    import papermill
+
+    from lab import notebook as nb
+
+    def dies_of_the_interrupt(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:  # what asyncio's cancellation did with it
+            pass
+        raise RuntimeError("Kernel died")
+
+    monkeypatch.setattr(papermill, "execute_notebook", dies_of_the_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        nb._papermill(TRAIN, tmp_path / "x.ipynb", {}, None, False)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def fails(*args, **kwargs):  # no Ctrl-C: a failure stays a failure
+        raise RuntimeError("a cell raised")
+
+    monkeypatch.setattr(papermill, "execute_notebook", fails)
+    assert "a cell raised" in nb._papermill(TRAIN, tmp_path / "x.ipynb", {}, None, False)

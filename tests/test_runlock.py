@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,126 @@ def test_runs_table_shows_a_live_run_before_its_first_record(tmp_path, other_hol
     proc.kill()
     proc.wait()
     assert "b" not in set(runs_table(tmp_path / "runs")[0]["dir"])
+
+
+POLL = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from lab import runlock
+    run_dir, stop = sys.argv[1], Path(sys.argv[2])
+    n = 0
+    print("polling", flush=True)
+    while not stop.exists():  # what `lab runs` / a sweep's plan do, in a tight loop
+        runlock.holder(run_dir)
+        n += 1
+    print(n, flush=True)
+""")
+
+
+def test_a_status_check_in_a_tight_loop_never_refuses_a_writer(tmp_path):
+    run_dir, stop = tmp_path / "run", tmp_path / "stop"
+    runlock.acquire(run_dir).release()
+    poller = subprocess.Popen([sys.executable, "-c", POLL, str(run_dir), str(stop)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert poller.stdout.readline().strip() == "polling"
+        refused = 0
+        for _ in range(300):
+            try:
+                runlock.acquire(run_dir).release()
+            except runlock.RunLocked:
+                refused += 1
+    finally:
+        stop.touch()
+        checks = int(poller.stdout.readline())
+        poller.wait()
+    assert checks > 100  # the reader really polled while the writer acquired
+    assert refused == 0
+
+
+def test_a_writer_waits_out_a_readers_check_held_open(tmp_path, monkeypatch):
+    # Deterministic form of the race: the reader's check is held open (its shared lock
+    # taken) while the writer acquires; the writer must wait for it, not be refused.
+    import threading
+
+    run_dir = tmp_path / "run"
+    runlock.acquire(run_dir).release()
+    real, held, go = runlock._flock, threading.Event(), threading.Event()
+
+    def slow_reader(fd, how):
+        got = real(fd, how)
+        if threading.current_thread().name == "reader":
+            held.set()
+            go.wait(10)
+        return got
+
+    monkeypatch.setattr(runlock, "_flock", slow_reader)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(runlock.holder(run_dir)),
+                              name="reader")
+    reader.start()
+    assert held.wait(10)
+    threading.Timer(0.3, go.set).start()
+    start = time.monotonic()
+    with runlock.acquire(run_dir):
+        waited = time.monotonic() - start
+        assert runlock.holder(run_dir) == os.getpid()
+    reader.join()
+    assert seen == [None]  # the reader saw a free run
+    assert 0.25 < waited < runlock.READER_GRACE_S
+
+
+def test_another_writer_is_refused_at_once_not_after_the_reader_grace(tmp_path, other_holder):
+    run_dir = tmp_path / "run"
+    proc = other_holder(run_dir)
+    start = time.monotonic()
+    with pytest.raises(runlock.RunLocked, match=f"in use by process {proc.pid};"):
+        runlock.acquire(run_dir)
+    assert time.monotonic() - start < runlock.READER_GRACE_S / 2
+
+
+def test_a_stale_pid_file_is_not_named(tmp_path):
+    import fcntl
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "run"
+    runlock.acquire(run_dir).release()
+    # A holder between taking the lock and writing its pid, with the pid file of an
+    # earlier holder that was killed -9 still there.
+    (run_dir / runlock.PID_FILE).write_text(f"{dead.pid}\n")
+    fd = os.open(run_dir / runlock.LOCK_FILE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert runlock.live_pid(run_dir) is None
+        assert runlock.holder(run_dir) == 0  # running, pid unknown
+        with pytest.raises(runlock.RunLocked, match="in use by another process;") as err:
+            runlock.acquire(run_dir)
+        assert str(dead.pid) not in str(err.value) and err.value.pid is None
+        (run_dir / runlock.PID_FILE).write_text(f"{os.getpid()}\n")  # a live one is named
+        with pytest.raises(runlock.RunLocked, match=f"in use by process {os.getpid()};"):
+            runlock.acquire(run_dir)
+    finally:
+        os.close(fd)
+
+
+def test_a_renamed_or_deleted_run_directory_is_noticed(tmp_path):
+    import shutil
+
+    old, new = tmp_path / "a", tmp_path / "b"
+    lock = runlock.acquire(old)
+    lock.check_in_place()  # still there: nothing to say
+    old.rename(new)
+    with pytest.raises(runlock.RunMoved, match=rf"run directory {old} was moved to {new} .*"
+                                               rf"stopped without writing to {old}"):
+        lock.check_in_place()
+    old.mkdir()  # another directory now at the old path is not the one locked
+    with pytest.raises(runlock.RunMoved, match=f"was moved to {new} "):
+        lock.check_in_place()
+    lock.release()
+    assert not (new / runlock.PID_FILE).exists() and list(old.iterdir()) == []
+    watch = runlock.DirWatch(new)
+    shutil.rmtree(new)
+    with pytest.raises(runlock.RunMoved, match=f"run directory {new} was moved or deleted while "):
+        watch.check()
+    watch.close()

@@ -83,10 +83,16 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"colour": "red"}, r"unknown key\(s\) colour; allowed: name, notebook, out, grid, fixed"),
     ({"workers": 0}, r"Protocol.workers=0 is out of range"),
     ({"name": "a/b"}, r"Protocol.name='a/b' is not allowed"),
+    ({"name": "uni-ü"}, r"Protocol.name='uni-ü' is not allowed; use a non-empty name of ASCII "
+                        r"letters, digits and \. = , \+ - _ \(it names directories"),
 ])
 def test_bad_protocols(tmp_path, fields, message):
     with pytest.raises(ProtocolError, match=message):
         load_protocol(write_protocol(tmp_path / "p.yaml", **fields))
+
+
+def test_a_protocol_name_may_hold_an_underscore(tmp_path):
+    assert load_protocol(write_protocol(tmp_path / "p.yaml", name="my_study")).name == "my_study"
 
 
 def test_protocol_file_problems(tmp_path):

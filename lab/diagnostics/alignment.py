@@ -6,12 +6,22 @@ update). Both are measured on the same batch in training mode (batch
 statistics, as the step itself uses them) with BN running statistics, the
 rule's state (feedback tensors, generators) and the gradients restored
 afterwards, so a diagnostic leaves the run exactly where it found it.
+
+A cosine with an all-zero side is 0/0: undefined, recorded as NaN, never as a
+fake 0 that would read as "orthogonal to backprop". That happens at a silent
+layer: its input is all zero, so both weight updates are; or a population whose
+true gradient is zero on every probe example. Both means (over populations,
+over layers) are over the entries where the cosine is defined, as
+``analysis.mt1`` does for the signal alignments, and ``teaching_defined`` /
+``update_defined`` count those entries, so a collapsed network's mean is read
+with how little it covers; a mean over none is NaN.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +92,23 @@ def cosine_per_example(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """cos(a, b) over all entries; NaN where either is all zero (0/0 is undefined)."""
     a, b = a.flatten().double(), b.flatten().double()
-    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300))
+    norms = a.norm() * b.norm()
+    if not norms > 0:
+        return float("nan")
+    return float(torch.dot(a, b) / norms)
+
+
+def _defined_mean(values) -> tuple[float, int]:
+    """(mean over the finite values, how many there are); NaN over none."""
+    defined = [v for v in values if math.isfinite(v)]
+    return (sum(defined) / len(defined) if defined else float("nan")), len(defined)
 
 
 def alignment(model, rule, x, y, population_names=None) -> dict:
-    """{"teaching_cos": {population: cos}, "update_cos": {layer: cos}, and means}."""
+    """{"teaching_cos": {population: cos}, "update_cos": {layer: cos}, their means over
+    the defined (finite) cosines, and how many those are (see the module docstring)}."""
     layers = local_layers(model)
     names = population_names or getattr(model, "population_names", None)
     with _untouched(model, rule):
@@ -100,6 +121,8 @@ def alignment(model, rule, x, y, population_names=None) -> dict:
     teaching = {n: cosine_per_example(t, g)
                 for n, t, g in zip(names, out.teaching, true_teaching)}
     update = {n: _cosine(rule_grads[n], true_grads[n]) for n, _ in layers}
+    mean_teaching, teaching_defined = _defined_mean(teaching.values())
+    mean_update, update_defined = _defined_mean(update.values())
     return {"teaching_cos": teaching, "update_cos": update,
-            "mean_teaching_cos": sum(teaching.values()) / len(teaching),
-            "mean_update_cos": sum(update.values()) / len(update)}
+            "mean_teaching_cos": mean_teaching, "teaching_defined": teaching_defined,
+            "mean_update_cos": mean_update, "update_defined": update_defined}

@@ -1,0 +1,97 @@
+"""The alignment diagnostic: cosines against a direct computation, NaN where undefined."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.diagnostics.alignment import alignment
+from lab.models.layers import local_layers
+from lab.models.mlp import MLP
+from lab.rules import make_rule
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    model = MLP(10, (12, 8), 5, dtype=torch.float64)
+    y = torch.randint(0, 5, (16,))
+    return model, torch.randn(16, 10, dtype=torch.float64), y
+
+
+def _direct_update_cos(model, rule, x, y) -> dict[str, float]:
+    """cos(rule's weight gradient, autograd's) per layer, computed here from scratch."""
+    rule.compute_gradients(x, y, None)
+    got = {n: m.weight.grad.clone() for n, m in local_layers(model)}
+    plain = copy.deepcopy(model)
+    for _, m in local_layers(plain):
+        m.feedback = None  # the plain network: autograd's gradient is backprop's
+    plain.zero_grad(set_to_none=True)
+    F.cross_entropy(plain(x), y).backward()
+    true = {n: m.weight.grad for n, m in local_layers(plain)}
+    return {n: float(F.cosine_similarity(got[n].flatten(), true[n].flatten(), dim=0))
+            for n in got}
+
+
+def test_update_cosine_is_nan_only_at_the_layer_whose_input_is_silent():
+    model, x, y = _net()
+    x = torch.zeros_like(x)  # the first layer's input is all zero: both its updates are
+    rule = make_rule("fa", model, seed=0)
+    report = alignment(model, rule, x, y)
+    want = _direct_update_cos(model, rule, x, y)
+    update = report["update_cos"]
+    assert list(update) == ["hidden.0", "hidden.1", "fc"]
+    assert math.isnan(update["hidden.0"])
+    for name in ("hidden.1", "fc"):  # defined layers: the direct cosine, to rounding
+        assert update[name] == pytest.approx(want[name], abs=1e-12)
+    assert update["fc"] == pytest.approx(1.0, abs=1e-12)  # the read-out gets the exact error
+    assert abs(update["hidden.1"]) < 0.99  # fa's random feedback: a real, non-trivial cosine
+    # The mean is over the defined layers and says how many those are.
+    assert report["update_defined"] == 2
+    assert report["mean_update_cos"] == pytest.approx((want["hidden.1"] + want["fc"]) / 2,
+                                                      abs=1e-12)
+    assert report["teaching_defined"] == 2 and math.isfinite(report["mean_teaching_cos"])
+
+
+def test_defined_cosines_do_not_change_when_a_layer_is_undefined():
+    # The same network on data: every cosine defined, each equal to the direct one.
+    model, x, y = _net()
+    rule = make_rule("fa", model, seed=0)
+    report = alignment(model, rule, x, y)
+    want = _direct_update_cos(model, rule, x, y)
+    assert report["update_defined"] == 3
+    for name, value in report["update_cos"].items():
+        assert value == pytest.approx(want[name], abs=1e-12)
+    assert report["mean_update_cos"] == pytest.approx(sum(want.values()) / 3, abs=1e-12)
+    teaching = report["teaching_cos"].values()
+    assert report["mean_teaching_cos"] == pytest.approx(sum(teaching) / 2, abs=1e-12)
+
+
+def test_a_silent_network_is_undefined_everywhere_never_a_fake_zero():
+    model, x, y = _net()
+    with torch.no_grad():
+        for _, m in local_layers(model):
+            m.bias.zero_()
+    x = torch.zeros_like(x)  # every layer's input is zero: every weight update is zero
+    report = alignment(model, make_rule("bp", model), x, y)
+    assert all(math.isnan(v) for v in report["update_cos"].values())
+    assert math.isnan(report["mean_update_cos"]) and report["update_defined"] == 0
+
+
+def test_teaching_cosine_is_nan_where_the_true_gradient_is_zero():
+    # A zero read-out: no gradient reaches any population (nor any hidden weight), while
+    # fa's random feedback still sends a teaching signal: one side zero, so undefined.
+    model, x, y = _net()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+    rule = make_rule("fa", model, seed=0)
+    report = alignment(model, rule, x, y)
+    assert all(math.isnan(v) for v in report["teaching_cos"].values())
+    assert math.isnan(report["mean_teaching_cos"]) and report["teaching_defined"] == 0
+    update = report["update_cos"]
+    assert math.isnan(update["hidden.0"]) and math.isnan(update["hidden.1"])
+    assert update["fc"] == pytest.approx(1.0, abs=1e-12)
+    assert report["mean_update_cos"] == update["fc"] and report["update_defined"] == 1
