@@ -71,7 +71,9 @@ def _field_problems(run_id: str, rows: pd.DataFrame, axis: str, name: str,
     if absent:
         problems.append(f"{run_id}: {what} missing at {axis}s {spans(absent, stride)}")
     # A NaN where the quantity may be undefined is a result; inf never is.
-    result = group["value"].isna() & group["metric"].map(lambda m: _matches(m, undefined))
+    # (astype: mapping an empty string column gives a string dtype pandas will not "and")
+    result = group["value"].isna() & group["metric"].map(
+        lambda m: _matches(m, undefined)).astype(bool)
     bad = group[group["index"].isin(required) & ~group["value"].map(math.isfinite) & ~result]
     if len(bad):
         shown = ", ".join(sorted(set(map(str, bad["value"]))))
