@@ -588,3 +588,18 @@ def _gen_after(seed: int, epochs: int, n: int = 50) -> torch.Generator:
 def test_iterate_batches_errors_at_call(kwargs, pattern):
     with pytest.raises(DataError, match=pattern):
         iterate_batches(_indexed_split(5), **kwargs)  # raised at the call, before iteration
+
+
+def test_a_data_directory_that_is_a_file_is_refused(tmp_path, monkeypatch):
+    # It was accepted with a cache warning and MNIST-1D regenerated on every run.
+    from lab.data import DataError, load_dataset
+
+    afile = tmp_path / "data.txt"
+    afile.write_text("not a directory")
+    with pytest.raises(DataError, match=rf"^the data directory {afile} \(data_dir\) is a file, "
+                                        r"not a directory; give the directory mnist1d is"):
+        load_dataset("mnist1d", data_dir=afile)
+    monkeypatch.setenv("LAB_DATA_DIR", str(afile))
+    with pytest.raises(DataError, match=r"\(\$LAB_DATA_DIR\) is a file"):
+        load_dataset("mnist1d")
+    assert len(load_dataset("digits").train.y) > 0  # bundled: the directory is never read

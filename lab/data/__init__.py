@@ -118,6 +118,10 @@ def load_dataset(
     _check_args(val_fraction, n_train)
     spec = _SPECS[name]
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    if name != "digits" and root.exists() and not root.is_dir():  # digits is bundled
+        where = "data_dir" if data_dir is not None else "$LAB_DATA_DIR"
+        raise DataError(f"the data directory {root} ({where}) is a file, not a directory; "
+                        f"give the directory {name} is (or is to be) cached in")
 
     x_train, y_train, x_test, y_test, scale = _load_raw(name, root)
     identity = _content(name, root, (x_train, y_train, x_test, y_test))
@@ -237,6 +241,10 @@ def train_size(name: str, *, data_dir=None, val_fraction: float = 0.1, n_train: 
         raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
     _check_args(val_fraction, n_train)
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    if name != "digits" and root.exists() and not root.is_dir():  # digits is bundled
+        where = "data_dir" if data_dir is not None else "$LAB_DATA_DIR"
+        raise DataError(f"the data directory {root} ({where}) is a file, not a directory; "
+                        f"give the directory {name} is (or is to be) cached in")
     n = _official_train_size(name, root)
     available = n - int(math.floor(val_fraction * n + 0.5))  # as _val_split holds out
     if available < 1:
