@@ -474,9 +474,13 @@ def _report(args) -> int:
             # replaces the last good one, neither its HTML nor its executed notebook.
             pending = out / f"{base}.pending"
             shutil.rmtree(pending, ignore_errors=True)
-            result = execute(notebook, pending, params, record=False)
-            name = base if result.ok else f"{base}.failed"
-            render_html(pending / Path(result.notebook).name, pending / _HTML)
+            try:
+                result = execute(notebook, pending, params, record=False)
+                name = base if result.ok else f"{base}.failed"
+                render_html(pending / Path(result.notebook).name, pending / _HTML)
+            except KeyboardInterrupt:  # a half-run notebook is nobody's report
+                shutil.rmtree(pending, ignore_errors=True)
+                raise
             with _interrupt_deferred():  # the notebook and its HTML replace the old together
                 shutil.rmtree(out / name, ignore_errors=True)
                 pending.rename(out / name)

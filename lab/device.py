@@ -29,6 +29,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_threads(threads: int) -> None:
+    """ConfigError when ``threads`` is more than ``MAX_THREADS_PER_CORE`` times the
+    cores this process may use: part of every trainer's preflight (before a kernel
+    starts or a run directory is made) and of :func:`set_threads`."""
+    from .sweep import usable_cores
+
+    cores = usable_cores()
+    if threads > MAX_THREADS_PER_CORE * cores:
+        # Refused at run start, not in the config: a record written on a big machine must
+        # still load on a laptop. Far beyond the cores, the thread pools spend the run on
+        # setup and contention (1000 threads on 2 cores: no step in ten minutes), which
+        # looks like a hang rather than an error.
+        raise ConfigError(
+            f"threads={threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) "
+            f"this process may use (at most {MAX_THREADS_PER_CORE * cores} allowed here): "
+            f"so many threads would stall the run; use threads={cores} (or 0, torch's "
+            "default)")
+
+
 def set_threads(threads: int) -> int:
     """0 keeps torch's default; returns the thread count in force.
 
@@ -45,16 +64,7 @@ def set_threads(threads: int) -> int:
         from .sweep import usable_cores  # (torch-free, so `lab runs` stays quick)
 
         cores = usable_cores()
-        if threads > MAX_THREADS_PER_CORE * cores:
-            # Refused here, at run start, not in the config: a record written on a big
-            # machine must still load on a laptop. Far beyond the cores, the thread pools
-            # spend the run on setup and contention (1000 threads on 2 cores: no step in
-            # ten minutes), which looks like a hang rather than an error.
-            raise ConfigError(
-                f"threads={threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) "
-                f"this process may use (at most {MAX_THREADS_PER_CORE * cores} allowed here): "
-                f"so many threads would stall the run; use threads={cores} (or 0, torch's "
-                "default)")
+        check_threads(threads)
         if threads > cores:
             # Not refused: a config may be written on one machine and run on a larger one.
             warnings.warn(f"threads={threads} is more than the {cores} core(s) this process "

@@ -290,7 +290,7 @@ class Lifecycle:
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json")
-                self._refuse_other_data(old.get("data"), "record.json")
+                self._refuse_other_data(old.get("data"), "record.json", old["status"])
                 self.finished, self.record = True, old
                 self.rows_logged = old.pop(records.ROW_KEYS[self.axis], [])
                 self.close()
@@ -347,11 +347,17 @@ class Lifecycle:
                 f"{self.out / what} belongs to a run with a different config ({detail}); "
                 "use another output directory, or move this one aside to start afresh")
 
-    def _refuse_other_data(self, saved: dict | None, what: str) -> None:
+    def _refuse_other_data(self, saved: dict | None, what: str,
+                           finished: str | None = None) -> None:
         # A run (or checkpoint) from before data was declared holds none: nothing to compare.
         if saved is None or self.data is None:
             return
         detail = _differences(dict(_leaves("", saved)), dict(_leaves("", self.data)), "; ")
+        if detail and finished:  # nothing to resume: the run is done, on the data it had
+            raise CheckpointError(
+                f"{self.out} holds a {finished} run whose data changed since ({detail}); "
+                "nothing was changed. Restore the data it was made with, or use another "
+                "output directory (or move this one aside) to train on the new data")
         if detail:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run trained on other data ({detail}); resuming "
@@ -372,7 +378,9 @@ class Lifecycle:
                 f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
         if "identity" in state:
             self._refuse_different(state["identity"], CHECKPOINT)
-        self._refuse_other_data(state.get("data"), CHECKPOINT)
+        status = state.get("status")
+        self._refuse_other_data(state.get("data"), CHECKPOINT,
+                                status if status in ("complete", "diverged") else None)
         missing = sorted(set(self.parts) - set(state.get("parts", {})))
         if missing or "identity" not in state:
             raise CheckpointError(

@@ -266,7 +266,9 @@ def test_ctrl_c_during_a_report_is_one_line_and_keeps_the_last_report(tmp_path, 
     good = (reports / "fixture.html").read_bytes()
     capsys.readouterr()
 
-    def interrupted(*args, **kwargs):
+    def interrupted(notebook, out, *args, **kwargs):
+        (Path(out) / "notebook.ipynb").parent.mkdir(parents=True)
+        (Path(out) / "notebook.ipynb").write_text("{}")  # half-run, as papermill leaves it
         raise KeyboardInterrupt
 
     monkeypatch.setattr(lab.notebook, "execute", interrupted)
@@ -274,6 +276,7 @@ def test_ctrl_c_during_a_report_is_one_line_and_keeps_the_last_report(tmp_path, 
     assert capsys.readouterr().err == ("\ninterrupted; no report was made (the last one, if "
                                        "any, is unchanged)\n")
     assert (reports / "fixture.html").read_bytes() == good
+    assert not (reports / "fixture.pending").exists()  # the half-run notebook is not kept
 
 
 def test_ctrl_c_inside_the_swap_waits_for_its_end():

@@ -119,3 +119,21 @@ def test_a_trainer_refuses_huge_threads_before_it_writes_anything(monkeypatch, t
     with pytest.raises(ConfigError, match=r"threads=1000 is more than 4 x the 2 core"):
         train_ep(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("notebook", ["01-train-conv", "02-train-ep-transformer",
+                                      "03-train-cfc-aux"])
+def test_lab_run_refuses_huge_threads_before_a_kernel_and_creates_nothing(
+        notebook, monkeypatch, tmp_path, capsys):
+    # The cap was met only inside the kernel: a `failed` run was left, and the corrected
+    # command was then refused as "other parameters (threads: 9 there vs 2 now)".
+    from pathlib import Path
+
+    import lab.sweep
+    from lab.cli import main as cli_main
+
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 2)
+    path = Path(__file__).resolve().parents[1] / "notebooks" / f"{notebook}.ipynb"
+    assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "-p", "threads", "9"]) == 2
+    assert "threads=9 is more than 4 x the 2 core(s)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -530,3 +530,26 @@ def test_a_run_whose_directory_is_renamed_stops_without_recreating_it(tmp_path, 
     assert resumed["status"] == "complete" and len(_rows(resumed)) == 30
     assert json.dumps(_rows(resumed)) == json.dumps(_rows(fresh))
     assert resumed["final"] == fresh["final"]
+
+
+def test_a_finished_run_on_changed_data_is_not_called_a_resume(tmp_path):
+    # From Python the refusal said "resuming would mix two datasets" though the run was
+    # done and nothing would resume: it says what `lab train` says.
+    then = {"csv": {"path": "/d/p.csv", "size": 10, "sha256": "aa"}}
+    with _life(tmp_path / "r", then, steps=5) as life:
+        life.start()
+        for _ in range(5):
+            life.log({"train_loss": 1.0})
+        life.finish({})
+    before = (tmp_path / "r" / "record.json").read_bytes()
+    now = {"csv": {"path": "/d/p.csv", "size": 10, "sha256": "bb"}}
+    for what in (CHECKPOINT, None):  # with its checkpoint, and kept as the fixtures are
+        if what is None:
+            (tmp_path / "r" / CHECKPOINT).unlink()
+        with pytest.raises(CheckpointError) as err:
+            _life(tmp_path / "r", now, steps=5).start()
+        assert str(err.value) == (
+            f"{tmp_path / 'r'} holds a complete run whose data changed since (csv.sha256: "
+            "'aa' there vs 'bb' now); nothing was changed. Restore the data it was made with, "
+            "or use another output directory (or move this one aside) to train on the new data")
+        assert (tmp_path / "r" / "record.json").read_bytes() == before

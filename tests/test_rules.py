@@ -833,3 +833,18 @@ def test_register_refuses_an_empty_or_taken_name():
         assert register(Fresh) is Fresh and RULES["fresh_test_rule"] is Fresh
     finally:
         RULES.pop("fresh_test_rule", None)
+
+
+@pytest.mark.parametrize("rule, params, message", [
+    ("kp_traffic", {"traffic_rule": "bogus"},
+     r"^rule 'kp_traffic': rule_params.traffic_rule='bogus' is not allowed; choose one of: "
+     r"'none', 'raw', 'matched', 'innovation'"),
+    ("lhfa", {"pert_every": 0}, r"^rule 'lhfa': rule_params.pert_every=0 is out of range"),
+])
+def test_a_bad_rule_parameter_names_the_rule_and_the_key_as_written(rule, params, message):
+    # It named the holding class (TrafficParams.traffic_rule), which no researcher typed.
+    from lab.config import ConfigError
+    from lab.rules.registry import rule_params
+
+    with pytest.raises(ConfigError, match=message):
+        rule_params(rule, params)

@@ -47,7 +47,13 @@ def rule_params(name: str, params=None):
             f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes} "
             "(changing a config's rule with dataclasses.replace? pass rule_params for the new "
             "rule too, e.g. replace(config, rule=..., rule_params={}))")
-    return from_dict(cls.Params, dict(params or {}))
+    try:
+        return from_dict(cls.Params, dict(params or {}))
+    except ConfigError as err:
+        # Named as the researcher wrote it (rule_params.x of rule r), not by the class
+        # that holds the fields (TrafficParams.x).
+        text = str(err).replace(f"{cls.Params.__name__}.", "rule_params.")
+        raise ConfigError(f"rule {name!r}: {text}") from None
 
 
 def resolve_params(name: str, params) -> dict:

@@ -60,7 +60,7 @@ from ..data.prices import (
     synthetic_prices,
     vega_prices,
 )
-from ..device import configure_process, resolve_device, seeded, sync
+from ..device import check_threads, configure_process, resolve_device, seeded, sync
 from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models.cfc import ACTIVATIONS, MODES, CfC
 
@@ -153,6 +153,7 @@ class CfCAuxConfig:
         pre-check, ``train_cfc_aux``): a readable CSV with the column, long enough for the
         window, sequence and horizons in both splits; and a device this machine has."""
         resolve_device(self.device)
+        check_threads(self.threads)
         # Here, not at construction: a config naming a file that exists only where its runs
         # were made (a cluster) still builds, so `lab runs` can list those runs.
         if self.source == "csv" and not Path(self.csv_path).is_file():

@@ -38,7 +38,7 @@ from ..data import DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
 from ..data.identity import absolute
-from ..device import configure_process, resolve_device, seeded, sync
+from ..device import check_threads, configure_process, resolve_device, seeded, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
 from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
@@ -135,6 +135,7 @@ class ConvConfig:
         draws and the alignment probe must fit in the training set; and a device this
         machine has. ConfigError if not."""
         resolve_device(self.device)
+        check_threads(self.threads)
         try:
             available = train_size(self.dataset, data_dir=self.data_dir or None,
                                    val_fraction=self.val_fraction, n_train=self.n_train)

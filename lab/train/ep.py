@@ -78,7 +78,7 @@ from ..data.text import (
     sample_batch,
     text_identity,
 )
-from ..device import configure_process, resolve_device, seeded, sync
+from ..device import check_threads, configure_process, resolve_device, seeded, sync
 from ..models.transformer import Transformer, language_model_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -151,6 +151,7 @@ class EPConfig:
         ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits; and a
         device this machine has."""
         resolve_device(self.device)
+        check_threads(self.threads)
         # Here, not at construction: see CfCAuxConfig.preflight.
         if self.text_path and not Path(self.text_path).is_file():
             raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
