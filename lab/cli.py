@@ -221,7 +221,7 @@ def _sweep(args) -> int:
     try:
         report = run_sweep(protocol, scheduler=args.scheduler, workers=args.workers,
                            progress=not args.quiet, force=args.force)
-    except SchedulerError as exc:
+    except (SchedulerError, ProtocolError) as exc:
         return _error(exc)
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.

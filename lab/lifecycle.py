@@ -268,6 +268,13 @@ class Lifecycle:
         for leftover in [*self.out.glob(".*.tmp"), *self.out.glob(f"{records.ROWS_DIR}/*/.*.tmp")]:
             leftover.unlink(missing_ok=True)
         old = self._old_record()
+        if old is not None and old.get("kind") not in (self.kind, "notebook", None):
+            # Said first and alone: every field would differ (two trainers' configs). A
+            # "notebook" record is the notebook layer's stand-in for a run that failed
+            # before its trainer wrote one.
+            raise CheckpointError(
+                f"{self.out} holds a {old.get('kind')!r} run; this trainer makes {self.kind!r} "
+                "runs: give it another output directory (or move this one aside)")
         if old is not None:
             self._keep_run_id(old["run_id"])
             if "notebook_params" in old and not runlock.held_by_parent(self.out):

@@ -273,11 +273,15 @@ def _build(data: dict, path: Path) -> Protocol:
                             "analysis notebook `lab report` executes (a path relative to the "
                             "protocol file, or absolute), or leave the key out for none")
     here = path.parent
-    resolved = {key: str((here / data[key]).resolve())
+    # "~" is the home directory, as in a data_dir (else a directory named "~" appears).
+    resolved = {key: str((here / Path(data[key]).expanduser()).resolve())
                 for key in ("notebook", "out", "report") if isinstance(data.get(key), str)
                 and data[key].strip()}
+    # An empty section (`fixed:` with only comments under it) is YAML's null: no entries.
+    empty = {key: {} for key in ("fixed", "grid", "overrides")
+             if key in data and data[key] is None}
     try:
-        protocol = Protocol(**{**data, **resolved, "source": str(path)})
+        protocol = Protocol(**{**data, **resolved, **empty, "source": str(path)})
     except ConfigError as err:
         raise ProtocolError(f"protocol {path}: {err}") from None
     _check_places(protocol, data)
@@ -766,7 +770,7 @@ def _recorded_threads(record: dict | None) -> int | None:
 
 
 def plan(protocol: Protocol, threads: int | None = None, *, force: bool = False,
-         nb=None) -> tuple[list[RunSpec], dict[str, RunOutcome | None]]:
+         nb=None, preflight: bool = True) -> tuple[list[RunSpec], dict[str, RunOutcome | None]]:
     """The protocol's runs, each with the parameters it executes with (``threads``
     included when the notebook declares it), and for each the outcome of leaving it
     alone (None: it must execute), decided from its record.json and lock only.
@@ -776,7 +780,9 @@ def plan(protocol: Protocol, threads: int | None = None, *, force: bool = False,
     ``threads_per_run: 0`` and no ``threads`` in the protocol, a run already made
     keeps its recorded count, as :func:`stale_runs` compares it. ``force``: stale
     and unreadable runs are to be replaced, so they execute (afresh, with
-    ``threads``).
+    ``threads``). ``preflight``: check what this machine decides (threads against its
+    cores, a device, data files) — not for runs a remote cluster executes. A run's
+    parameters refused here are a ProtocolError: nothing has started.
     """
     from .notebook import RunConflict, decide, notebook_spec, resolve_parameters
     from .runlock import RunLocked
@@ -787,17 +793,24 @@ def plan(protocol: Protocol, threads: int | None = None, *, force: bool = False,
     out = Path(protocol.out)
     replace = "conflicting" if force else "never"
     outcomes: dict[str, RunOutcome | None] = {}
+
+    def resolved(run_id: str, params: dict):
+        try:
+            return resolve_parameters(protocol.notebook, params, nb, preflight=preflight)
+        except ConfigError as err:  # e.g. threads_per_run far above this machine's cores
+            raise ProtocolError(f"protocol {protocol.source}: run {run_id} would execute "
+                                "with parameters the notebook refuses, so none was started: "
+                                f"{err}") from None
+
     for spec in expand(protocol):
         recorded = None if protocol.threads_per_run or "threads" not in nb.declared else \
             _recorded_threads(_read_record(out / spec.run_id))
         params = _run_params(spec, nb.declared, threads if recorded is None else recorded)
         try:
-            decision, state = decide(out / spec.run_id,
-                                     resolve_parameters(protocol.notebook, params, nb), replace)
+            decision, state = decide(out / spec.run_id, resolved(spec.run_id, params), replace)
             if decision == "replace" and params != _run_params(spec, nb.declared, threads):
                 params = _run_params(spec, nb.declared, threads)  # a new run: this machine's
-                decision, state = decide(out / spec.run_id,
-                                         resolve_parameters(protocol.notebook, params, nb),
+                decision, state = decide(out / spec.run_id, resolved(spec.run_id, params),
                                          replace)
         except (RunLocked, RunConflict) as err:
             outcomes[spec.run_id] = _left_alone(spec.run_id, err)
@@ -833,7 +846,8 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
             client = stack.enter_context(_client(scheduler, workers))
             workers = len(client.scheduler_info().get("workers", {})) or workers
         threads = _threads(protocol, workers)
-        specs, outcomes = plan(protocol, threads, force=force, nb=nb)
+        specs, outcomes = plan(protocol, threads, force=force, nb=nb,
+                               preflight=not scheduler)
         todo = [spec for spec in specs if outcomes[spec.run_id] is None]
         if todo:
             client = client or stack.enter_context(_client(None, workers))

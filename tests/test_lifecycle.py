@@ -553,3 +553,28 @@ def test_a_finished_run_on_changed_data_is_not_called_a_resume(tmp_path):
             "'aa' there vs 'bb' now); nothing was changed. Restore the data it was made with, "
             "or use another output directory (or move this one aside) to train on the new data")
         assert (tmp_path / "r" / "record.json").read_bytes() == before
+
+
+def test_a_run_directory_of_another_trainer_is_named_in_one_line(tmp_path):
+    # A CfC notebook run in a conv run's directory listed ~57 "there vs now" fields.
+    train_synthetic(SyntheticConfig(steps=5), tmp_path / "r")
+    before = (tmp_path / "r" / "record.json").read_bytes()
+    life = Lifecycle(kind="cfc_aux", config=SyntheticConfig(steps=5),
+                     expect=Expectation("step", 5), parts={}, out_dir=tmp_path / "r",
+                     progress=False)
+    with pytest.raises(CheckpointError) as err:
+        life.start()
+    assert str(err.value) == (f"{tmp_path / 'r'} holds a 'synthetic' run; this trainer makes "
+                              "'cfc_aux' runs: give it another output directory (or move this "
+                              "one aside)")
+    assert (tmp_path / "r" / "record.json").read_bytes() == before and not life._held
+
+
+def test_the_notebook_layers_stand_in_record_is_not_another_trainers(tmp_path):
+    # A notebook that failed before its trainer wrote a record leaves kind "notebook":
+    # the rerun's trainer takes the directory over, as before.
+    from lab.notebook import mark_failed
+
+    mark_failed(tmp_path / "r", "r", {"steps": 5}, "failed in data loading")
+    assert records.load_record(tmp_path / "r")["kind"] == "notebook"
+    assert train_synthetic(SyntheticConfig(steps=5), tmp_path / "r")["status"] == "complete"

@@ -796,3 +796,44 @@ def test_ids_of_the_committed_protocols_name_their_runs():
     assert "rule_params.traffic_rule-innovation_seed-2" in ids
     assert all(re.fullmatch(r"[A-Za-z0-9._=,+-]+", i) and not re.search(r"-[0-9a-f]{8}(_|$)", i)
                for i in ids)  # ordinary values: no digest anywhere
+
+
+def test_a_home_relative_out_is_the_home_directory_not_a_tilde_folder(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    protocol = load_protocol(write_protocol(tmp_path / "p.yaml", out="~/studies/t"))
+    assert protocol.out == str(home / "studies" / "t")
+
+
+def test_an_empty_section_is_no_entries(tmp_path):
+    # `fixed:` with only comments under it is YAML's null: it was refused as "must be dict".
+    path = tmp_path / "p.yaml"
+    path.write_text(f"name: t\nnotebook: {ECHO}\nout: runs\nfixed:\n  # none yet\n"
+                    "grid:\n  x: [1, 2]\noverrides:\n")
+    protocol = load_protocol(path)
+    assert protocol.fixed == {} and protocol.overrides == {}
+    path.write_text(f"name: t\nnotebook: {ECHO}\nout: runs\ngrid:\n")
+    with pytest.raises(ProtocolError, match="Protocol.grid is empty; give at least one"):
+        load_protocol(path)
+
+
+def test_threads_per_run_far_above_the_cores_is_refused_before_any_run(tmp_path, monkeypatch,
+                                                                       capsys):
+    # It failed inside every kernel (a `failed` run each), and the corrected protocol then
+    # found them STALE; before the preflight knew threads, the sweep died in a traceback.
+    import lab.sweep
+    from lab.sweep import plan
+
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 2)
+    train = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(train), threads_per_run=64,
+                          workers=1, grid={"seed": [0]},
+                          fixed={"epochs": 2, "n_train": 256, "depth": 8, "width": 4})
+    assert cli_main(["sweep", str(path), "-q"]) == 2
+    assert "run seed-0 would execute with parameters the notebook refuses, so none was " \
+        "started: threads=64 is more than 4 x the 2 core(s)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    # A remote cluster's machines are not this one: no local preflight there.
+    specs, outcomes = plan(load_protocol(path), preflight=False)
+    assert specs[0].params["threads"] == 64 and outcomes == {"seed-0": None}
