@@ -8,7 +8,12 @@ parameter, the value and what is allowed.
 """
 
 from .checks import check_names
-from .completeness import IncompleteProtocolError, check_complete, find_problems
+from .completeness import (
+    IncompleteProtocolError,
+    UnknownFieldError,
+    check_complete,
+    find_problems,
+)
 from .figures import NotebookFigure, curve_bands, learning_curves, run_curves
 from .load import ProtocolRuns, load_protocol_runs
 from .summary import format_mean_std, summarize
@@ -16,5 +21,5 @@ from .summary import format_mean_std, summarize
 __all__ = [
     "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "check_names",
     "curve_bands", "find_problems", "format_mean_std", "learning_curves", "load_protocol_runs",
-    "run_curves", "summarize",
+    "run_curves", "summarize", "UnknownFieldError",
 ]

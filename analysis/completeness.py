@@ -10,6 +10,12 @@ or extra row, missing field and non-finite value is collected into one
 :class:`IncompleteProtocolError`, so a researcher fixes everything in one
 pass instead of one problem per rerun.
 
+A field the analysis asks for that *no* expected run records (on its row axis,
+or among its finals, whichever was asked) is not a gap a rerun could fill but
+a misspelled or wrong name: :func:`check_complete` raises
+:class:`UnknownFieldError` naming it and the fields the runs do record
+(closest first), instead of one "missing" line per run.
+
 Input tables are those of ``lab.records``: ``runs`` from ``load_runs`` (one row
 per run: ``run_id``, ``status``, ``error``, ``expect``) and ``metrics`` from
 ``load_metrics`` (tidy rows run_id, axis, index, metric, value). A metric that
@@ -18,12 +24,13 @@ was recorded as null is absent from the tidy table, so it counts as missing.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Sequence
 
 import pandas as pd
 
-from .checks import names
+from .checks import listing, names
 
 
 class IncompleteProtocolError(ValueError):
@@ -32,6 +39,14 @@ class IncompleteProtocolError(ValueError):
     def __init__(self, message: str, problems: list[str]):
         super().__init__(message)
         self.problems = problems
+
+
+class UnknownFieldError(ValueError):
+    """A requested field no run of the protocol records; ``fields`` names each one."""
+
+    def __init__(self, message: str, fields: list[str]):
+        super().__init__(message)
+        self.fields = fields
 
 
 def spans(indices: Iterable[int], stride: int = 1) -> str:
@@ -161,6 +176,59 @@ def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Seque
     return list(dict.fromkeys(problems))
 
 
+def _recorded(runs: pd.DataFrame, metrics: pd.DataFrame,
+              expected: Sequence[str]) -> tuple[set[str], set[str]]:
+    """(row fields, final fields) recorded by any present expected run: row fields on
+    the axis its record declares, so a step-axis run's eval rows do not count."""
+    if not len(runs) or not len(metrics):
+        return set(), set()
+    axes = {row.run_id: row.expect["axis"] for row in runs.itertuples(index=False)
+            if row.run_id in set(expected) and isinstance(getattr(row, "expect", None), dict)}
+    ours = metrics[metrics["run_id"].isin(list(axes))]
+    on_axis = ours["axis"] == ours["run_id"].map(axes)
+    return set(ours.loc[on_axis, "metric"]), set(ours.loc[ours["axis"] == "final", "metric"])
+
+
+def _is_recorded(name: str, recorded: set[str]) -> bool:
+    return any(_matches(metric, [name]) for metric in recorded)
+
+
+def _unknown(name: str, kind: str, recorded: set[str], other: set[str]) -> str:
+    """One line: ``name`` is recorded by no run; what is recorded, closest first."""
+    close = difflib.get_close_matches(name, sorted(recorded), n=len(recorded), cutoff=0.6)
+    ordered = close + sorted(recorded - set(close))
+    hint = (f" (it is a {'final' if kind == 'row' else 'row'} field, not a {kind} field)"
+            if _is_recorded(name, other) else "")
+    return f"no run records a {kind} field {name!r}{hint}; recorded: {listing(ordered)}"
+
+
+def check_fields(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
+                 row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> None:
+    """Raise UnknownFieldError if a requested field is recorded by no expected run.
+
+    Only when the runs record something of that kind: with no rows (or no finals)
+    at all there is nothing to compare a name with, and the gaps are real.
+    """
+    expected = names(expected_ids, "expected_ids", "run ids")
+    row_metrics = names(row_metrics, "row_metrics")
+    final_metrics = names(final_metrics, "final_metrics")
+    rows, finals = _recorded(runs, metrics, expected)
+    lines, fields = [], []
+    for asked, kind, recorded, other in ((row_metrics, "row", rows, finals),
+                                         (final_metrics, "final", finals, rows)):
+        if not recorded:
+            continue
+        for name in dict.fromkeys(asked):
+            if not _is_recorded(name, recorded):
+                lines.append(_unknown(name, kind, recorded, other))
+                fields.append(name)
+    if lines:
+        body = "\n".join(f"  - {line}" for line in lines)
+        raise UnknownFieldError(
+            f"{len(lines)} requested field(s) recorded by none of the {len(expected)} expected "
+            f"runs (a misspelled name? rerunning the sweep cannot add them):\n{body}", fields)
+
+
 def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
                    row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> None:
     """Raise IncompleteProtocolError listing every gap, or return None when complete.
@@ -169,8 +237,12 @@ def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequ
     holds what its record declares (rows on its axis, their metrics, its final
     metrics), plus ``row_metrics`` on every row and ``final_metrics``, all
     present and finite. Runs that are not expected are ignored.
+
+    A ``row_metrics`` or ``final_metrics`` name that no expected run records
+    is an :class:`UnknownFieldError` (see :func:`check_fields`), not a gap per run.
     """
     expected = names(expected_ids, "expected_ids", "run ids")
+    check_fields(runs, metrics, expected, row_metrics, final_metrics)
     problems = find_problems(runs, metrics, expected, row_metrics, final_metrics)
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)

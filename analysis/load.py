@@ -87,9 +87,12 @@ def _flat(point: dict, prefix: str = "") -> dict:
 def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     """Load ``protocol_path`` and its runs (from ``runs_dir``, default the protocol's ``out``).
 
-    A missing runs directory loads as no runs: the completeness check then
-    lists every run as missing. A protocol or runs directory that is not a path
-    (``-p protocol 3`` in a notebook) is a TypeError naming it.
+    A missing ``out`` (the sweep has not run yet) loads as no runs: the
+    completeness check then lists every run as missing. A ``runs_dir`` given
+    but not there is a FileNotFoundError naming it (a typo; rerunning the sweep
+    would not fill it), one that is a file a NotADirectoryError. A protocol or
+    runs directory that is not a path (``-p protocol 3`` in a notebook) is a
+    TypeError naming it.
     """
     path_like(protocol_path, "protocol", "the path of a protocol YAML file")
     if runs_dir is not None and runs_dir != "":  # empty, like None: the protocol's out
@@ -97,6 +100,12 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     protocol = load_protocol(protocol_path, configs=False)  # no config class: no torch
     specs = expand(protocol)
     directory = Path(runs_dir or protocol.out)
+    if runs_dir and not directory.is_dir():
+        where = f"{runs_dir} ({directory.resolve()})" if not directory.is_absolute() else runs_dir
+        if directory.exists():
+            raise NotADirectoryError(f"runs_dir {where} is a file, not a directory of runs")
+        raise FileNotFoundError(f"runs_dir {where} does not exist (the protocol's runs are in "
+                                f"its out, {protocol.out}; leave runs_dir empty to use it)")
     # A protocol's run is exactly <out>/<run_id>: not an old run moved aside
     # beside it (same run id), nor anything else under <out>.
     dirs = [directory / spec.run_id for spec in specs

@@ -20,7 +20,10 @@ does not declare are refused, and a notebook that names its config class in
 its metadata (``"lab_config": "lab.train.conv:ConvConfig"``) has the resolved
 parameters (its defaults, then the given values; a dotted key such as
 ``rule_params.scale`` sets one key inside a dict parameter) built into that
-class, so a bad value is refused with the class's message. The run directory
+class, so a bad value is refused with the class's message. The notebook's own
+parameters (beyond its config class) are type-checked by the builtin the cell
+annotates (``smooth: int = 3``), else by their default's type when it is an
+int, float, str or bool (:func:`check_own_types`). The run directory
 is then decided from its record.json: a finished run of the same resolved
 config is left alone, one of another config is refused unless replaced (moved
 aside, never deleted), and a directory another process holds is skipped. The
@@ -252,6 +255,40 @@ def notebook_spec(notebook, *, with_class: bool = True) -> NotebookSpec:
     return NotebookSpec(Path(notebook), declared, _literal_defaults(declared), cls)
 
 
+# How a notebook's own parameter is type-checked: a float accepts an int (1 for 1.0), and
+# neither int nor float accepts a bool (True is an int to Python, not to a researcher).
+_OWN_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+_BY_NAME = {t.__name__: t for t in _OWN_TYPES}
+
+
+def _own_type(info: Mapping, default: Any) -> type | None:
+    """The type a notebook's own parameter must have: the builtin its parameters cell
+    annotates, else its default's type; None (anything) for None/list/dict defaults."""
+    annotated = _BY_NAME.get(str(info.get("inferred_type_name", "")).strip("'\""))
+    if annotated is not None:
+        return annotated
+    return type(default) if type(default) in _OWN_TYPES else None
+
+
+def check_own_types(notebook, values: Mapping, declared: Mapping, defaults: Mapping) -> None:
+    """Raise ParameterError for a value of ``values`` (the notebook's own parameters,
+    by name) whose type is not the one :func:`_own_type` gives it."""
+    for name, value in values.items():
+        want = _own_type(declared.get(name, {}), defaults.get(name))
+        if want is None or isinstance(value, Expression):
+            continue
+        if isinstance(value, bool) and want is not bool or not isinstance(value, _OWN_TYPES[want]):
+            raise ParameterError(f"{notebook} parameter {name} must be {want.__name__}, got "
+                                 f"{value!r} ({type(value).__name__})")
+
+
+def trainer_kind(cls: type | None) -> str | None:
+    """The record kind the trainer of config class ``cls`` writes (its ``KIND``:
+    ``"conv"`` for ConvConfig); None when the class declares none."""
+    kind = getattr(cls, "KIND", None)
+    return kind if isinstance(kind, str) else None
+
+
 def _root(key: str) -> str:
     return key.split(".", 1)[0]
 
@@ -315,6 +352,7 @@ class Resolved:
     # The notebook's own parameters beyond its config class (defaults filled in), as the
     # trainer's record keeps them under "notebook_params": part of what the run was asked.
     extras: dict = field(default_factory=dict)
+    kind: str | None = None  # the record kind its config class's trainer writes, if known
 
     def asked(self) -> dict:
         """Config and the notebook's own parameters: what ``records.run_params`` reads back."""
@@ -338,9 +376,11 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     _refuse_expressions(notebook, merged)
     given = {root: merged[root] for root in dict.fromkeys(map(_root, params))}
     cls = spec.config_class
+    fields = set(field_names(cls)) if cls is not None else set()
+    check_own_types(notebook, {k: v for k, v in given.items() if k not in fields},
+                    spec.declared, spec.defaults)
     if cls is None:
         return Resolved(given, _as_stored(merged), full=False)
-    fields = set(field_names(cls))
     dotted = [key for key in params if "." in key]
 
     def context(message: str) -> str:
@@ -362,7 +402,8 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     except (TypeError, ValueError) as err:  # a check in the class's own __post_init__
         raise ParameterError(f"{cls.__name__}: {err}{context(str(err))}") from None
     extras = {k: v for k, v in merged.items() if k not in fields}
-    return Resolved(given, _as_stored(as_dict(config)), full=True, extras=_as_stored(extras))
+    return Resolved(given, _as_stored(as_dict(config)), full=True, extras=_as_stored(extras),
+                    kind=trainer_kind(cls))
 
 
 _ABSENT = object()
@@ -768,6 +809,13 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         return "execute", state
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
+    elif _other_kind(state.record, resolved) and replace == "never":
+        # Another trainer's run: every field would differ, and the diff would hide why.
+        there = state.record["kind"]
+        raise RunConflict(
+            f"{out} holds {_article(there)} {there} run; this notebook makes {resolved.kind} "
+            "runs: give it another --out (or out_dir; another `out` for a sweep); nothing was "
+            "changed", "stale")
     else:
         diffs = asked_differences(state.record, resolved)
         status = f"{_article(state.status)} {state.status}"
@@ -796,6 +844,14 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         # done (its checkpoint says so, so nothing retrains), but the notebook is not.
         return "execute", state
     return ("done" if state.status in runlock.FINISHED else "execute"), state
+
+
+def _other_kind(record: Mapping, resolved: Resolved) -> bool:
+    """The record is a trainer's of another kind than ``resolved``'s (a minimal
+    "notebook" record, e.g. of a run that failed before training, tells nothing)."""
+    there = record.get("kind") if isinstance(record, Mapping) else None
+    return bool(resolved.kind and isinstance(there, str) and there not in ("notebook",)
+                and there != resolved.kind)
 
 
 def _notebook_finished(out: Path) -> bool:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import matplotlib
@@ -16,6 +16,7 @@ import pytest
 
 from analysis import (
     IncompleteProtocolError,
+    UnknownFieldError,
     check_complete,
     curve_bands,
     format_mean_std,
@@ -110,6 +111,9 @@ def test_check_complete_is_generic():
     rows = [(rid, "epoch", e, m, 1.0) for rid, n in (("a", 3), ("b", 5), ("z", 1))
             for e in range(n) for m in ("traffic_rms", "innovation_rms")]
     rows += [(rid, "final", -1, "loss", 0.5) for rid in ("a", "b")]
+    # One (extra) row of used_rms, so some run records it: its absence elsewhere is a gap,
+    # not a misspelled name (that is test_a_field_no_run_records_is_named_not_a_gap_per_run).
+    rows += [("b", "epoch", 4, "used_rms", 1.0)]
     metrics = pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS))
 
     def expect(count):
@@ -227,29 +231,39 @@ def test_report_refuses_incomplete_data(fixture_copy, tmp_path, capsys):
     assert not failed.exists() and not (reports / "fixture.failed").exists()
 
 
-def test_a_second_report_of_one_protocol_waits_for_the_first(tmp_path, capsys):
+def test_a_second_report_of_one_protocol_waits_for_the_first(tmp_path, monkeypatch, capsys):
     # Two at once deleted each other's pending notebook: one crashed with a traceback and
     # called its own good report failed.
+    import io
     import threading
 
     from filelock import FileLock
 
     reports = tmp_path / "reports"
     reports.mkdir()
-    taken = threading.Event()
+    taken, waiting = threading.Event(), threading.Event()
 
-    def other_report():  # holds the report's lock for a second, as another process would
+    class Stderr(io.StringIO):  # tells the other "process" that this one is waiting
+        def write(self, text):
+            if "waiting for another" in text:
+                waiting.set()
+            return super().write(text)
+
+    err = Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+
+    def other_report():  # holds the report's lock until this one waits for it
         with FileLock(reports / ".fixture.report.lock"):
             taken.set()
-            time.sleep(1.0)
+            waiting.wait(timeout=120)
 
-    threading.Thread(target=other_report).start()
+    threading.Thread(target=other_report, daemon=True).start()
     taken.wait()
     assert cli_main(["report", str(FIXTURE / "protocol.yaml"), "--notebook", str(SUMMARY),
                      "--out", str(reports)]) == 0
-    captured = capsys.readouterr()
+    assert waiting.is_set()
     assert f"waiting for another `lab report` writing {reports / 'fixture'} to finish" \
-        in captured.err
+        in err.getvalue()
     assert sorted(p.name for p in reports.iterdir()) == [".fixture.report.lock", "fixture",
                                                          "fixture.html"]
     assert sorted(p.name for p in (reports / "fixture").iterdir()) == ["notebook.ipynb"]
@@ -856,3 +870,49 @@ def test_run_curves_refuses_a_record_and_an_empty_trajectory():
     lines = fig.get_axes()[0].lines
     assert [list(line.get_xdata()) for line in lines] == [[0, 1, 2, 3]] * 2
     assert list(lines[0].get_ydata()) == [row["train_loss"] for row in record["trajectory"]]
+
+
+def test_a_misspelled_field_names_itself_and_what_the_runs_record():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    with pytest.raises(UnknownFieldError) as err:
+        data.check_complete(["train_loss"], ["test_ac"])
+    assert str(err.value) == (
+        "1 requested field(s) recorded by none of the 4 expected runs (a misspelled name? "
+        "rerunning the sweep cannot add them):\n  - no run records a final field 'test_ac'; "
+        "recorded: 'test_acc', 'test_loss', 'train_acc', 'train_loss', 'val_acc'")
+    # 10-summary's trajectory_fields with a typo: one line for the field, not one per run.
+    with pytest.raises(UnknownFieldError, match=r"^1 requested field.*\n  - no run records a "
+                                                r"row field 'val_los'; recorded: 'val_loss', "
+                                                r"[^\n]*$") as err:
+        data.check_complete(TRAJECTORY[:-2] + ["val_los"], FINAL)
+    assert err.value.fields == ["val_los"]
+
+
+def test_a_runs_dir_that_is_not_there_is_named(tmp_path):
+    protocol = FIXTURE / "protocol.yaml"
+    missing = tmp_path / "nonexist"
+    with pytest.raises(FileNotFoundError, match=rf"^runs_dir {re.escape(str(missing))} does "
+                                                rf"not exist \(the protocol's runs are in its "
+                                                rf"out, {re.escape(str(FIXTURE / 'runs'))}; "
+                                                r"leave runs_dir empty to use it\)$"):
+        load_protocol_runs(protocol, missing)
+    with pytest.raises(FileNotFoundError, match=r"^runs_dir nonexist-runs \(/.*/nonexist-runs\) "
+                                                r"does not exist"):
+        load_protocol_runs(protocol, "nonexist-runs")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(NotADirectoryError, match=rf"^runs_dir {re.escape(str(a_file))} is a "
+                                                 r"file, not a directory of runs$"):
+        load_protocol_runs(protocol, tmp_path / "a-file")
+    # The runs somewhere else (a copy) still load from an explicit runs_dir.
+    shutil.copytree(FIXTURE / "runs", tmp_path / "copy")
+    assert len(load_protocol_runs(protocol, tmp_path / "copy").runs) == 4
+
+
+def test_summary_notebook_names_a_misspelled_trajectory_field(tmp_path):
+    result = execute(SUMMARY, tmp_path / "report", {
+        "protocol": str(FIXTURE / "protocol.yaml"),
+        "trajectory_fields": ["train_loss", "val_los"]}, record=False)
+    assert result.status == "failed"
+    assert "no run records a row field 'val_los'; recorded: 'val_loss'," in result.error
+    assert "rerun the sweep" not in result.error and "missing at epochs" not in result.error

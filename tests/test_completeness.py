@@ -13,7 +13,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.completeness import IncompleteProtocolError, check_complete, find_problems
+from analysis.completeness import (
+    IncompleteProtocolError,
+    UnknownFieldError,
+    check_complete,
+    find_problems,
+)
 from lab import records
 
 STEPS = Path(__file__).parent / "fixtures" / "steps" / "runs"
@@ -129,6 +134,13 @@ def test_final_fields_missing_or_non_finite_are_named(tables):
 
 def test_what_the_analysis_adds_is_required_too(tables):
     runs, metrics = tables
+    # One run records each added field, so the other's lack is a gap (a field no run
+    # records is a misspelled name: test_a_field_no_run_records_is_an_error_not_a_gap).
+    steps = list(range(0, 60, 5))
+    added = pd.DataFrame({"run_id": [IDS[1]] * 12 + [IDS[0]],
+                          "axis": ["step"] * 12 + ["final"], "index": steps + [-1],
+                          "metric": ["alignment/0"] * 12 + ["test_acc"], "value": 0.5})
+    metrics = pd.concat([metrics, added], ignore_index=True)
     problems = _problems(runs, metrics, row_metrics=["alignment/"], final_metrics=["test_acc"])
     assert f"{IDS[0]}: metrics under 'alignment/' missing at steps 0-55" in problems
     assert f"{IDS[1]}: final field 'test_acc' missing" in problems
@@ -154,3 +166,44 @@ def test_a_record_without_a_declaration_cannot_pass():
     problems = find_problems(runs, metrics, ["rule-bp_seed-0"])
     assert problems == ["rule-bp_seed-0: its record declares no expectation of a complete run "
                         "(written by an older lab or a plain notebook); rerun it"]
+
+
+def test_a_field_no_run_records_is_an_error_not_a_gap(tables):
+    runs, metrics = tables
+    # A run the protocol does not expect recording the name does not make it recorded.
+    stray = pd.DataFrame({"run_id": ["other"], "axis": ["step"], "index": [0],
+                          "metric": ["train_los"], "value": [1.0]})
+    metrics = pd.concat([metrics, stray], ignore_index=True)
+    with pytest.raises(UnknownFieldError) as info:
+        check_complete(runs, metrics, IDS, ["train_los", "m/", "final_loss"], ["final_los"])
+    assert not isinstance(info.value, IncompleteProtocolError)
+    assert info.value.fields == ["train_los", "final_loss", "final_los"]
+    # Closest first (difflib), then the rest in order; one line per field, not per run.
+    assert str(info.value) == (
+        "3 requested field(s) recorded by none of the 2 expected runs (a misspelled name? "
+        "rerunning the sweep cannot add them):\n"
+        "  - no run records a row field 'train_los'; recorded: 'train_loss', 'm/0', 'm/1', "
+        "'val_loss'\n"
+        "  - no run records a row field 'final_loss' (it is a final field, not a row field); "
+        "recorded: 'val_loss', 'train_loss', 'm/0', 'm/1'\n"
+        "  - no run records a final field 'final_los'; recorded: 'final_loss'")
+
+
+def test_a_field_some_runs_record_is_still_a_gap_per_run(tables):
+    runs, metrics = tables
+    metrics = _drop(metrics, IDS[1], "train_loss")
+    metrics = _drop(metrics, IDS[0], "final_loss", -1)
+    assert _problems(runs, metrics, row_metrics=["train_loss"]) == [
+        f"{IDS[0]}: final field 'final_loss' missing",
+        f"{IDS[1]}: field 'train_loss' missing at steps 0-55"]
+
+
+def test_with_no_rows_at_all_a_name_cannot_be_judged_and_the_gaps_are_listed(tables):
+    runs, metrics = tables
+    metrics = metrics[metrics["axis"] != "step"]  # both runs died before their first row
+    problems = _problems(runs, metrics, row_metrics=["train_los"])
+    assert problems == [f"{rid}: steps 0-55 missing (has 0 of 12 rows)" for rid in IDS]
+    # ... while finals are still judged: a misspelled final is named.
+    with pytest.raises(UnknownFieldError, match=r"final field 'final_los'; recorded: "
+                                                r"'final_loss'$"):
+        check_complete(runs, metrics, IDS, final_metrics=["final_los"])

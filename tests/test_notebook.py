@@ -569,3 +569,87 @@ def test_a_kernel_dying_of_the_same_ctrl_c_is_an_interrupt_not_a_failure(tmp_pat
 
     monkeypatch.setattr(papermill, "execute_notebook", fails)
     assert "a cell raised" in nb._papermill(TRAIN, tmp_path / "x.ipynb", {}, None, False)
+
+
+FIXTURE_RUNS = {"conv": ROOT / "tests/fixtures/summary/runs/lr-0.05_rule-bp_seed-0",
+                "ep": ROOT / "tests/fixtures/ep/runs/beta-0.1_seed-0",
+                "cfc_aux": ROOT / "tests/fixtures/cfc-aux/runs/aux-lift_seed-0"}
+TRAINING = {"conv": TRAIN, "ep": ROOT / "notebooks/02-train-ep-transformer.ipynb",
+            "cfc_aux": ROOT / "notebooks/03-train-cfc-aux.ipynb"}
+
+
+@pytest.mark.parametrize("kind", sorted(TRAINING))
+def test_each_training_notebook_knows_the_kind_its_trainer_records(kind):
+    # The oracle: the kind in a record the trainer actually wrote (the fixture runs).
+    assert records.load_record(FIXTURE_RUNS[kind])["kind"] == kind
+    cls = lab.notebook.config_class(TRAINING[kind])
+    assert lab.notebook.trainer_kind(cls) == kind
+
+
+def test_a_run_of_another_kind_is_named_in_one_line(tmp_path, capsys, no_kernel):
+    # A CfC notebook pointed at a conv run listed ~57 "X there vs Y now" fields and
+    # never said the directory holds another trainer's run.
+    import shutil
+
+    run = tmp_path / "conv-run"
+    shutil.copytree(FIXTURE_RUNS["conv"], run)
+    before = _files(run)
+    assert cli_main(["run", str(TRAINING["cfc_aux"]), "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} holds a conv run; this notebook makes cfc_aux runs: give it another " \
+        "--out (or out_dir" in err
+    assert "there vs" not in err and len(err.strip().splitlines()) == 1
+    assert _files(run) == before
+    # --force still moves the other run aside (the kind check only words the refusal).
+    decision, _ = lab.notebook.decide(run, resolve_parameters(TRAINING["cfc_aux"]),
+                                      "conflicting")
+    assert decision == "replace"
+    # A run of the notebook's own kind still gets the field diff.
+    with pytest.raises(RunConflict, match=r"other parameters \(.* there vs .* now"):
+        lab.notebook.decide(run, resolve_parameters(TRAIN, {"width": 3}), "never")
+
+
+def _with_typed_parameters(path: Path, base: Path = ECHO) -> Path:
+    nb = nbformat.read(base, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source += ('\nsmooth: int = 3\nnote = "hello"\nlr = 0.5\nflag = False\n'
+                    'ratio: float = 1\ntags = []\nmaybe = None\nlabel: str = None\n')
+    nbformat.write(nb, str(path))
+    return path
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("smooth", "abc", "int"), ("smooth", True, "int"), ("smooth", 2.0, "int"),
+    ("note", 5, "str"), ("lr", "0.1", "float"), ("lr", False, "float"),
+    ("flag", 1, "bool"), ("ratio", "x", "float"), ("label", 3, "str"), ("x", "abc", "int")])
+def test_a_notebooks_own_parameter_of_the_wrong_type_is_refused(tmp_path, no_kernel, name,
+                                                                value, want):
+    # `smooth: int = 3` took -p smooth abc and the run recorded smooth=abc.
+    path = _with_typed_parameters(tmp_path / "typed.ipynb")
+    message = (rf"^{re.escape(str(path))} parameter {name} must be {want}, got "
+               rf"{re.escape(repr(value))} \({type(value).__name__}\)$")
+    with pytest.raises(ParameterError, match=message):
+        resolve_parameters(path, {name: value})
+
+
+def test_a_notebooks_own_parameters_of_the_right_type_are_taken(tmp_path, no_kernel):
+    path = _with_typed_parameters(tmp_path / "typed.ipynb")
+    good = {"smooth": 5, "note": "n", "lr": 1, "flag": True, "ratio": 0.25, "tags": "any",
+            "maybe": {"a": 1}, "label": "l", "x": -2, "opts.scale": "anything"}
+    resolved = resolve_parameters(path, good)
+    assert {k: resolved.config[k] for k in good if "." not in k} == \
+        {k: v for k, v in good.items() if "." not in k}
+    assert resolved.config["opts"] == {"scale": "anything", "label": "a"}
+    # Beside a config class too, and on the CLI: exit 2, nothing created.
+    train = _with_typed_parameters(tmp_path / "train.ipynb", TRAIN)
+    assert resolve_parameters(train, {"smooth": 4}).extras["smooth"] == 4
+    with pytest.raises(ParameterError, match=r"parameter smooth must be int, got 'abc' \(str\)"):
+        resolve_parameters(train, {"smooth": "abc", "width": 4})
+
+
+def test_cli_refuses_a_mistyped_own_parameter_before_anything(tmp_path, capsys, no_kernel):
+    path = _with_typed_parameters(tmp_path / "typed.ipynb")
+    out = tmp_path / "r"
+    assert cli_main(["run", str(path), "--out", str(out), "-p", "smooth", "abc"]) == 2
+    assert f"{path} parameter smooth must be int, got 'abc' (str)" in capsys.readouterr().err
+    assert not out.exists()

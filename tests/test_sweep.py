@@ -618,19 +618,34 @@ def test_threads_left_to_the_machine_are_taken_from_the_record(tmp_path, monkeyp
     assert {s.run_id: s.params["threads"] for s in specs}["seed-0"] == 2
 
 
+def _echo_taking_text(path: Path) -> str:
+    """echo.ipynb with x's default None: x then takes text (its default 1 takes ints only)."""
+    import nbformat
+
+    nb = nbformat.read(ECHO, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source, hits = re.subn(r"(?m)^x = 1$", "x = None", cell.source)
+    assert hits == 1, cell.source
+    nbformat.write(nb, str(path))
+    return str(path)
+
+
 def test_run_ids_of_non_ascii_values_are_distinct_and_stable(tmp_path):
     import hashlib
 
     def digest(text):
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
-    path = write_protocol(tmp_path / "p.yaml", grid={"x": ["α", "β", "café", "🙂", "🙃", "a🙂"]})
+    echo = _echo_taking_text(tmp_path / "echo.ipynb")
+    path = write_protocol(tmp_path / "p.yaml", notebook=echo,
+                          grid={"x": ["α", "β", "café", "🙂", "🙃", "a🙂"]})
     ids = [spec.run_id for spec in expand(load_protocol(path))]
     assert ids == ["x-α", "x-β", "x-café", f"x-{digest('🙂')}", f"x-{digest('🙃')}",
                    f"x-a-{digest('a🙂')}"]
     # One letter in two Unicode forms (composed é, e + combining accent): two values, and
     # the one the id does not spell as given gets the digest.
-    both = write_protocol(tmp_path / "q.yaml", grid={"x": ["caf\u00e9", "cafe\u0301"]})
+    both = write_protocol(tmp_path / "q.yaml", notebook=echo,
+                          grid={"x": ["caf\u00e9", "cafe\u0301"]})
     decomposed = digest("cafe\u0301")
     assert [s.run_id for s in expand(load_protocol(both))] == ["x-café", f"x-café-{decomposed}"]
     # The file system takes them, with --force's suffix too.
@@ -645,7 +660,9 @@ def test_long_run_ids_are_shortened_with_a_digest(tmp_path):
 
     assert MAX_RUN_ID_BYTES + len(".old-20260101T000000Z-99") == 255
     grid = {"x": ["a" * 300, "a" * 299 + "b", "é" * 200, "short"]}
+    echo = _echo_taking_text(tmp_path / "echo.ipynb")
     ids = [spec.run_id for spec in expand(load_protocol(write_protocol(tmp_path / "p.yaml",
+                                                                        notebook=echo,
                                                                         grid=grid)))]
     assert len(set(ids)) == 4 and ids[3] == "x-short"
     for run_id, value in zip(ids[:3], grid["x"][:3], strict=True):

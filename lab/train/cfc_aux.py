@@ -39,6 +39,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -76,6 +77,8 @@ def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class CfCAuxConfig:
     """Everything one CfC-aux run depends on; ``asdict`` is stored in the record."""
+
+    KIND: ClassVar[str] = "cfc_aux"  # the record kind its trainer writes (not a field)
 
     # data: the price series
     source: str = choice("vega", SOURCES)
@@ -452,7 +455,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     """
     check_start(config, CfCAuxConfig, out_dir, caller="train_cfc_aux")  # before anything is made
     run = build_run(config)
-    life = Lifecycle(kind="cfc_aux", config=config, expect=expectation(config),
+    life = Lifecycle(kind=CfCAuxConfig.KIND, config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),
                      data=data_identity(config, run.data),
                      checkpoint_every=config.checkpoint_every,

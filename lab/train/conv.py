@@ -21,6 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each pha
 @dataclass(frozen=True)
 class ConvConfig:
     """Everything one conv run depends on; ``asdict`` is stored in the record."""
+
+    KIND: ClassVar[str] = "conv"  # the record kind its trainer writes (not a field)
 
     # data
     dataset: str = choice("mnist1d", DATASETS)
@@ -317,7 +320,8 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
     """
     check_start(config, ConvConfig, out_dir, caller="train_conv")  # before anything is made
     run = build_run(config)
-    life = Lifecycle(kind="conv", config=config, expect=expectation(config), parts=parts(run),
+    life = Lifecycle(kind=ConvConfig.KIND, config=config, expect=expectation(config),
+                     parts=parts(run),
                      out_dir=out_dir, run_id=run_id, device=str(run.device),
                      data=run.data.identity,
                      checkpoint_every=config.checkpoint_every,

@@ -64,6 +64,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -91,6 +92,8 @@ SPECTRAL_ITERS = 200
 @dataclass(frozen=True)
 class EPConfig:
     """Everything one EP run depends on; ``asdict`` is stored in the record."""
+
+    KIND: ClassVar[str] = "ep"  # the record kind its trainer writes (not a field)
 
     # data: "" = the bundled corpus (pydoc_data.topics), else a UTF-8 text file; a relative
     # path is made absolute on construction (against the working directory), so the record
@@ -600,7 +603,7 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
 
     check_start(config, EPConfig, out_dir, caller="train_ep")  # before anything is made
     run = build_ep(config)
-    with Lifecycle(kind="ep", config=config, expect=expectation(config), out_dir=out_dir,
+    with Lifecycle(kind=EPConfig.KIND, config=config, expect=expectation(config), out_dir=out_dir,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
                    checkpoint_every=config.checkpoint_every, progress=config.progress,
                    desc=f"ep seed {config.seed}",
