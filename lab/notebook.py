@@ -819,8 +819,12 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
     else:
         diffs = asked_differences(state.record, resolved)
         status = f"{_article(state.status)} {state.status}"
-        reason, problem = "stale", (f"{status} run with other parameters "
-                                    f"({'; '.join(diffs)})" if diffs else None)
+        # A run that failed before its first row (a refused value) lost nothing: say so, as
+        # the --force it needs then only moves an empty attempt aside.
+        never = state.status == "failed" and not any((state.record.get("rows") or {}).values())
+        reason, problem = "stale", (f"{status} run{' (it never trained a step)' if never else ''}"
+                                    f" with other parameters ({'; '.join(diffs)})"
+                                    if diffs else None)
         if problem is None and state.status in ("complete", "diverged"):
             # Same parameters, but a data file it read has changed since: its results are
             # not those of these parameters any more. (A run in progress is checked by the

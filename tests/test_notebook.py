@@ -653,3 +653,15 @@ def test_cli_refuses_a_mistyped_own_parameter_before_anything(tmp_path, capsys, 
     assert cli_main(["run", str(path), "--out", str(out), "-p", "smooth", "abc"]) == 2
     assert f"{path} parameter smooth must be int, got 'abc' (str)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_failed_run_that_never_trained_says_so_when_refused(tiny, tmp_path):
+    # A run refused inside its kernel leaves a failed record with no rows; the corrected
+    # command was refused as if a real run stood there.
+    params = {**tiny, "epochs": 1, "threads": 1}
+    resolved = resolve_parameters(TRAIN, params)
+    mark_failed(tmp_path / "r", "r", {**resolved.config, "epochs": 2}, "ConfigError: no")
+    with pytest.raises(RunConflict, match=r"already holds a failed run \(it never trained a "
+                                          r"step\) with other parameters \(epochs: 2 there vs "
+                                          r"1 now\); nothing was changed"):
+        lab.notebook.decide(tmp_path / "r", resolved, "never")
