@@ -225,7 +225,7 @@ class Lifecycle:
         self._companions: dict[str, float] = {}  # each companion loss's first finite value
         self._lock = contextlib.ExitStack()
         self._held = False
-        self._watch: runlock.DirWatch | None = None  # the run directory, as locked
+        self._runlock: runlock.RunLock | None = None  # held from start() to close()
         self.record = records.new_record(
             run_id=self.run_id or (self.out.name if self.out else "in-memory"), kind=self.kind,
             config=self.config_dict, device=self.device)
@@ -248,14 +248,11 @@ class Lifecycle:
         self._session_start = time.perf_counter()
         if self.out is None:
             return 0
-        self._lock.enter_context(runlock.hold(self.out))
+        # The lock (ours or the parent's) moves with the directory if it is renamed;
+        # writing by path after that would make a second, unlocked run at the old path.
+        self._runlock = self._lock.enter_context(runlock.hold(self.out))
         self._held = True
         try:
-            # The lock (ours or the parent's) moves with the directory if it is renamed;
-            # writing by path after that would make a second, unlocked run at the old path.
-            self.out.mkdir(parents=True, exist_ok=True)  # (a parent's lock may not make it)
-            self._watch = runlock.DirWatch(self.out)
-            self._lock.callback(self._watch.close)
             done = self._resume()
         except BaseException:
             self.close()
@@ -268,12 +265,10 @@ class Lifecycle:
         for leftover in [*self.out.glob(".*.tmp"), *self.out.glob(f"{records.ROWS_DIR}/*/.*.tmp")]:
             leftover.unlink(missing_ok=True)
         old = self._old_record()
-        if old is not None and old.get("kind") not in (self.kind, "notebook", None):
-            # Said first and alone: every field would differ (two trainers' configs). A
-            # "notebook" record is the notebook layer's stand-in for a run that failed
-            # before its trainer wrote one.
+        if old is not None and (there := records.another_trainers(old, self.kind)):
+            # Said first and alone: every field would differ (two trainers' configs).
             raise CheckpointError(
-                f"{self.out} holds a {old.get('kind')!r} run; this trainer makes {self.kind!r} "
+                f"{self.out} holds a {there!r} run; this trainer makes {self.kind!r} "
                 "runs: give it another output directory (or move this one aside)")
         if old is not None:
             self._keep_run_id(old["run_id"])
@@ -437,8 +432,8 @@ class Lifecycle:
         if self.out is None:
             self.pending = []
             return
-        if self._watch is not None:  # RunMoved (both paths named) before anything is written
-            self._watch.check()
+        if self._runlock is not None:  # RunMoved (both paths named) before anything is written
+            self._runlock.check_in_place()
         start = self.record["rows"].get(self.axis, 0)
         if self.pending:
             records.write_part(self.out, self.axis, self.pending, start)

@@ -731,7 +731,7 @@ def mark_failed(run_dir, run_id: str, config: Mapping, error: str) -> dict:
     try:
         record = records.load_record(run_dir, rows=False)  # the rows stay as they are
     except records.RecordError:
-        record = records.new_record(run_id=run_id, kind="notebook", config=dict(config))
+        record = records.new_record(run_id=run_id, kind=records.NOTEBOOK_KIND, config=dict(config))
     record.update(status="failed", error=error)
     records.save_run(run_dir, record)
     return record
@@ -749,7 +749,7 @@ def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: st
         # from an earlier attempt, whose creation time it keeps), so sweeps of it
         # resume like any other; its recorded values are the final metrics.
         created = _existing_created(out)
-        record = records.new_record(run_id=run_id, kind="notebook", config=config)
+        record = records.new_record(run_id=run_id, kind=records.NOTEBOOK_KIND, config=config)
         record.update(status="complete", final=_metric_values(values))
         if created:
             record["created"] = created
@@ -809,9 +809,9 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         return "execute", state
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
-    elif _other_kind(state.record, resolved) and replace == "never":
+    elif (there := records.another_trainers(state.record, resolved.kind)) \
+            and replace == "never":
         # Another trainer's run: every field would differ, and the diff would hide why.
-        there = state.record["kind"]
         raise RunConflict(
             f"{out} holds {_article(there)} {there} run; this notebook makes {resolved.kind} "
             "runs: give it another --out (or out_dir; another `out` for a sweep); nothing was "
@@ -848,14 +848,6 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         # done (its checkpoint says so, so nothing retrains), but the notebook is not.
         return "execute", state
     return ("done" if state.status in runlock.FINISHED else "execute"), state
-
-
-def _other_kind(record: Mapping, resolved: Resolved) -> bool:
-    """The record is a trainer's of another kind than ``resolved``'s (a minimal
-    "notebook" record, e.g. of a run that failed before training, tells nothing)."""
-    there = record.get("kind") if isinstance(record, Mapping) else None
-    return bool(resolved.kind and isinstance(there, str) and there not in ("notebook",)
-                and there != resolved.kind)
 
 
 def _notebook_finished(out: Path) -> bool:

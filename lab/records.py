@@ -186,6 +186,20 @@ def environment(device: str | None = None) -> dict:
     return env
 
 
+# The kind of the record the notebook layer writes itself (a notebook that trains nothing,
+# or a run that failed before its trainer wrote one): it says nothing of a trainer.
+NOTEBOOK_KIND = "notebook"
+
+
+def another_trainers(record, kind: str | None) -> str | None:
+    """The kind of ``record`` when a trainer other than ``kind``'s made it, else None
+    (same kind, unknown kind, or the notebook layer's own record)."""
+    there = record.get("kind") if isinstance(record, dict) else None
+    if kind and isinstance(there, str) and there not in (kind, NOTEBOOK_KIND):
+        return there
+    return None
+
+
 def new_record(*, run_id: str, kind: str, config: dict, device: str | None = None) -> dict:
     """A fresh "running" record; validated now so a bad config fails before training."""
     now = _now()

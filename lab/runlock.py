@@ -127,18 +127,18 @@ def _fd_path(fd: int) -> str | None:
 class RunLock:
     """A held lock on one run directory; ``release()`` (or leaving ``with``) frees it.
 
-    ``fd`` is None when a parent process holds the lock for us (``LAB_RUN_LOCK``).
+    ``fd`` is None when a parent process holds the lock for us (``LAB_RUN_LOCK``); the
+    directory is watched either way (the lock moves with it if it is renamed).
     """
 
     def __init__(self, run_dir: Path, fd: int | None):
         self.run_dir, self._fd = run_dir, fd
-        self.watch = DirWatch(run_dir) if fd is not None else None
+        self.watch = DirWatch(run_dir)
 
     def check_in_place(self) -> None:
         """RunMoved if the locked directory was renamed or deleted since it was locked
         (writing by its old path would then make a second, unlocked directory there)."""
-        if self.watch is not None:
-            self.watch.check()
+        self.watch.check()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -151,8 +151,7 @@ class RunLock:
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
-        if self.watch is not None:
-            self.watch.close()
+        self.watch.close()
         self._fd = None
 
     def __enter__(self) -> RunLock:
@@ -313,9 +312,11 @@ def held_by_parent(run_dir) -> bool:
 def hold(run_dir):
     """Hold ``run_dir`` for the block, unless a parent already holds it for this process."""
     if held_by_parent(run_dir):
-        yield RunLock(Path(run_dir).resolve(), None)
-        return
-    lock = acquire(run_dir)
+        run_dir = Path(run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)  # (the parent may not have made it)
+        lock = RunLock(run_dir, None)
+    else:
+        lock = acquire(run_dir)
     try:
         yield lock
     finally:
