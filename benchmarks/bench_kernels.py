@@ -132,7 +132,10 @@ def bench_population(shape, dtype, device, rounds, now):
     B = shape[0]
 
     def population():
-        out = torch.empty(shape, dtype=dtype, device=device)
+        # zeros, not empty: the add's output pages are touched (rand), so the kernel's must be
+        # too, or its first pass through each copy pays the page faults (a training
+        # step's output comes from memory the allocator keeps, already faulted in)
+        out = torch.zeros(shape, dtype=dtype, device=device)
         return dict(I=rand(shape), h=rand(shape).relu(), out=out)
 
     def contenders(pop, adds):

@@ -82,35 +82,18 @@ _chunk_raw, _chunk_innovation = _make_chunk(RAW), _make_chunk(INNOVATION)
 
 
 @njit(cache=True)
-def _row(I, h, gC, d, b, e, rule, out, rows, scales, zero):
-    """One task: row e's sums of squares into ``rows[e]``; writes ``out[e]``.
+def _rescale(o, rows, scales, e):
+    """Matched's second pass over row e, still in cache (L2): R * ||N_e|| / ||R_e||.
 
-    Chunk partials are added to float64 row sums in chunk order. Matched then rescales
-    the row in place while it is still in cache (L2) to R * ||N_e|| / ||R_e||.
+    The scale is rounded to the input dtype (stored in ``scales``); an all-zero raw row
+    has no direction, so it is sent as zero; a row whose norms overflow has no matched
+    signal: x - x adds NaN exactly when x is infinite (or NaN). No fastmath here.
     """
-    N = I.shape[1]
-    s = (0.0, 0.0, 0.0, 0.0)
-    for c in range((N + CHUNK - 1) // CHUNK):
-        j0 = c * CHUNK
-        j1 = min(j0 + CHUNK, N)
-        args = (I[e, j0:j1], h[e, j0:j1], out[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
-        if rule == INNOVATION:
-            x = _chunk_innovation(*args)
-        else:  # raw, and matched's first pass
-            x = _chunk_raw(*args)
-        s = (s[0] + np.float64(x[0]), s[1] + np.float64(x[1]),
-             s[2] + np.float64(x[2]), s[3] + np.float64(x[3]))
-    for q in range(4):
-        rows[e, q] = s[q]
-    if rule == MATCHED:
-        # ||N_e|| / ||R_e||, rounded to the input dtype; an all-zero raw row has no
-        # direction, so it is sent as zero; a row whose norms overflow has no matched
-        # signal: x - x adds NaN exactly when x is infinite (or NaN).
-        scales[e] = ((math.sqrt(s[SS_N] / s[SS_R]) if s[SS_R] > 0.0 else 0.0)
-                     + (s[SS_R] - s[SS_R]) + (s[SS_N] - s[SS_N]))
-        o, f = out[e], scales[e]
-        for j in range(N):
-            o[j] *= f
+    r, n = rows[e, SS_R], rows[e, SS_N]
+    scales[e] = (math.sqrt(n / r) if r > 0.0 else 0.0) + (r - r) + (n - n)
+    f = scales[e]
+    for j in range(o.size):
+        o[j] *= f
 
 
 @njit(cache=True)
@@ -133,30 +116,58 @@ def _totals(rows, rule):
 
 
 @njit(cache=True)
-def _setup(I, C, g, P):
+def _units(C, g, P):
     # Once per call: g*C in the input dtype (as torch rounds C * g) and d = gC - P, the
-    # per-unit factor of the innovation's correction; workspaces for rows and scales.
+    # per-unit factor of the innovation's correction; both stay cache-resident.
     gC = C * g
-    d = gC - P
-    rows = np.empty((I.shape[0], 4))
-    scales = np.zeros(I.shape[0], dtype=I.dtype)  # matched's ||N_e|| / ||R_e||
-    return gC, d, rows, scales, g - g  # g is finite: g - g is zero in the input dtype
+    return gC, gC - P
 
 
-@njit(cache=True, parallel=True)
-def _mixed_parallel(I, h, C, g, P, b, rule, out):
-    gC, d, rows, scales, zero = _setup(I, C, g, P)
-    for e in prange(I.shape[0]):
-        _row(I, h, gC, d, b, e, rule, out, rows, scales, zero)
-    return _totals(rows, rule)
+def _make_mixed(parallel: bool):
+    # The same body compiled twice. ``rows_of`` must be a variable of the closure, not
+    # only the decorator's flag: numba's cache keys a closure by its code and its
+    # closure's values, so two compilations that differ only in the flag would share
+    # one cache entry (the serial kernel came back parallel from the cache). The row
+    # loop sits in the prange body itself (an earlier version called a per-row
+    # function with its arguments packed in tuples: 5-8 % slower from memory); the
+    # chunk loops are the shared compiled functions above, so the serial and parallel
+    # kernels do the same arithmetic.
+    rows_of = prange if parallel else range
+
+    @njit(cache=True, parallel=parallel)
+    def mixed(I, h, C, g, P, b, rule, out):
+        B, N = I.shape
+        gC, d = _units(C, g, P)  # (N,) each
+        zero = g - g  # g is finite: zero in the input dtype
+        rows = np.empty((B, 4))  # per-row sums of squares, float64
+        scales = np.zeros(B, dtype=I.dtype)  # matched's ||N_e|| / ||R_e||
+        for e in rows_of(B):
+            s_i = s_t = s_r = s_n = 0.0
+            for j0 in range(0, N, CHUNK):
+                j1 = min(j0 + CHUNK, N)
+                if rule == INNOVATION:
+                    x = _chunk_innovation(I[e, j0:j1], h[e, j0:j1], out[e, j0:j1],
+                                          gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+                else:  # raw, and matched's first pass
+                    x = _chunk_raw(I[e, j0:j1], h[e, j0:j1], out[e, j0:j1],
+                                   gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+                # chunk partials into the row's float64 sums, in chunk order
+                s_i += np.float64(x[SS_I])
+                s_t += np.float64(x[SS_T])
+                s_r += np.float64(x[SS_R])
+                s_n += np.float64(x[SS_N])
+            rows[e, SS_I] = s_i
+            rows[e, SS_T] = s_t
+            rows[e, SS_R] = s_r
+            rows[e, SS_N] = s_n
+            if rule == MATCHED:
+                _rescale(out[e], rows, scales, e)
+        return _totals(rows, rule)
+
+    return mixed
 
 
-@njit(cache=True)
-def _mixed_serial(I, h, C, g, P, b, rule, out):
-    gC, d, rows, scales, zero = _setup(I, C, g, P)
-    for e in range(I.shape[0]):
-        _row(I, h, gC, d, b, e, rule, out, rows, scales, zero)
-    return _totals(rows, rule)
+_mixed_parallel, _mixed_serial = _make_mixed(True), _make_mixed(False)
 
 
 def mixed_apical(I, h, C, g, P, b, rule: int, out):
@@ -546,8 +557,8 @@ def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, 
     per-example rows (B, 2) [ss R, ss N], else None.
     """
     B, Ch, S = I.shape
-    gC, d, _, _, _ = _setup(I, C, g, P)
-    # Made here, not taken from _setup: a float32 scalar returned to Python comes back
+    gC, d = _units(C, g, P)
+    # Made here, not taken from _units: a float32 scalar returned to Python comes back
     # as a Python float, and a float64 zero would turn every loop into float64 arithmetic.
     zero = I.dtype.type(0)
     gC, d = gC.reshape(Ch, S), d.reshape(Ch, S)

@@ -167,6 +167,21 @@ def test_serial_and_parallel_kernels_agree_bitwise():
         assert np.array_equal(outs[0], outs[1]) and np.array_equal(tots[0], tots[1])
 
 
+def test_serial_and_parallel_kernels_have_their_own_cache_entries():
+    # Both come from one factory; numba keys a cached closure by its code and its
+    # closure's values, so a flag seen only by the decorator gave them one cache entry
+    # and the serial kernel came back parallel from the cache.
+    I = np.ones((3, 5), dtype=np.float32)
+    u = np.ones(5, dtype=np.float32)
+    kernels = (cpu._mixed_serial, cpu._mixed_parallel)
+    for kernel in kernels:
+        kernel(I, I, u, np.float32(0.5), u, u, cpu.RAW, np.empty_like(I))
+    keys = [k._cache._index_key(k.signatures[0], k.targetctx.codegen()) for k in kernels]
+    assert keys[0] != keys[1]
+    assert cpu._mixed_serial.targetoptions.get("parallel") is False
+    assert cpu._mixed_parallel.targetoptions.get("parallel") is True
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rule", nk.RULES)
 def test_short_cpu_path_matches_checked_path_bitwise(rule, dtype):
