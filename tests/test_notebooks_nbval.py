@@ -1,9 +1,9 @@
 """Every committed notebook: thin, numbered, output-free, and runs under ``pytest --nbval-lax``.
 
 nbval starts each kernel in the notebook's own directory, and the training
-notebooks write their run into ``out_dir`` (``"."`` by default); so each
-notebook runs from a copy in its own temporary directory (two trainers' runs
-in one folder would be refused as different runs), beside a link to
+notebooks write their run into ``out_dir`` (by default ``run-<notebook stem>``
+beside the notebook, so the three trainers' runs never share a folder); each
+notebook runs from a copy in its own temporary directory, beside a link to
 ``tests/`` that keeps its relative fixture paths valid.
 """
 
@@ -64,5 +64,5 @@ def test_notebooks_run_under_nbval(tmp_path):
     from lab import records
 
     for stem in ("01-train-conv", "02-train-ep-transformer", "03-train-cfc-aux"):
-        run = tmp_path / stem / "notebooks"
+        run = tmp_path / stem / "notebooks" / f"run-{stem}"
         assert records.load_record(run)["status"] == "complete", stem
