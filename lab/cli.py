@@ -551,11 +551,17 @@ def _unshield(args) -> None:
         args.param = [[key, value.removeprefix(_SHIELD)] for key, value in args.param]
 
 
+def _user_path(text: str) -> str:
+    """A path argument with ``~`` expanded, as the shell would unquoted (a quoted
+    ``"~/runs"`` would otherwise make a folder literally named ``~``)."""
+    return os.path.expanduser(text)
+
+
 def _params_args(parser) -> None:
     parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                         help="a parameter (value parsed as YAML; a dotted key sets one key "
                              "inside a dict parameter); repeatable")
-    parser.add_argument("-f", "--file", action="append",
+    parser.add_argument("-f", "--file", action="append", type=_user_path,
                         help="YAML file of parameters; repeatable, a later file and then -p "
                              "win over an earlier one")
     parser.add_argument("--force", action="store_true",
@@ -567,16 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train one conv run in-process (ConvConfig's "
                            "defaults: ResNet-20, 60 epochs; notebook 01's are smaller)")
-    train.add_argument("--out", required=True, help="run directory")
+    train.add_argument("--out", required=True, type=_user_path, help="run directory")
     _params_args(train)
     train.set_defaults(func=_train)
     run = sub.add_parser("run", help="execute a notebook with papermill into a run directory")
-    run.add_argument("notebook")
-    run.add_argument("--out", required=True, help="run directory")
+    run.add_argument("notebook", type=_user_path)
+    run.add_argument("--out", required=True, type=_user_path, help="run directory")
     _params_args(run)
     run.set_defaults(func=_run)
     sweep = sub.add_parser("sweep", help="execute a protocol's unfinished runs on Dask")
-    sweep.add_argument("protocol", help="protocols/*.yaml")
+    sweep.add_argument("protocol", type=_user_path, help="protocols/*.yaml")
     sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
     sweep.add_argument("--workers", type=_workers,
                        help="local workers (default: the protocol's)")
@@ -585,16 +591,19 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
     runs = sub.add_parser("runs", help="table of runs with status and final metrics")
-    runs.add_argument("target", help="a directory of runs, a record.json, or a protocol YAML")
+    runs.add_argument("target", type=_user_path,
+                      help="a directory of runs, a record.json, or a protocol YAML")
     runs.set_defaults(func=_runs)
     report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
-    report.add_argument("protocol")
-    report.add_argument("--notebook", help="analysis notebook (default: the protocol's report; "
+    report.add_argument("protocol", type=_user_path)
+    report.add_argument("--notebook", type=_user_path,
+                        help="analysis notebook (default: the protocol's report; "
                         "another than the protocol's writes <protocol>.<notebook>.html)")
-    report.add_argument("--runs", help="runs directory (default: the protocol's out, whose "
+    report.add_argument("--runs", type=_user_path,
+                        help="runs directory (default: the protocol's out, whose "
                         "runs must be what the protocol asks now; another directory is "
                         "not checked for stale runs)")
-    report.add_argument("--out", default="reports",
+    report.add_argument("--out", default="reports", type=_user_path,
                         help="reports directory (default: reports/ in the current directory)")
     report.set_defaults(func=_report)
     try:

@@ -190,8 +190,14 @@ def check_start(config, cls: type, out_dir, *, caller: str) -> None:
         if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
             raise TypeError(f"{caller} out_dir={out_dir!r}: give the run directory as a path "
                             "(str or pathlib.Path), or None to train in memory")
-        runlock.check_run_dir(Path(out_dir).resolve())
+        runlock.check_run_dir(run_path(out_dir))
     config.preflight()
+
+
+def run_path(out_dir) -> Path:
+    """The run directory ``out_dir`` names: ``~`` expanded (as in every path the project
+    reads), made absolute. Never a literal ``./~`` folder."""
+    return Path(out_dir).expanduser().resolve()
 
 
 @dataclass
@@ -214,7 +220,7 @@ class Lifecycle:
     data: dict | None = None
 
     def __post_init__(self):
-        self.out = Path(self.out_dir).resolve() if self.out_dir is not None else None
+        self.out = run_path(self.out_dir) if self.out_dir is not None else None
         self.axis = self.expect.axis
         self.config_dict = as_dict(self.config)
         self.rows_logged: list[dict] = []  # every row of the run, in memory

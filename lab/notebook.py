@@ -896,7 +896,7 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     if replace not in REPLACE:
         raise ValueError(f"execute: replace={replace!r}; allowed: {', '.join(REPLACE)}")
     notebook = Path(notebook)
-    out = Path(out_dir).resolve()
+    out = Path(out_dir).expanduser().resolve()
     spec = notebook_spec(notebook) if spec is None else spec
     resolved = resolve_parameters(notebook, params, spec)
     injected = dict(resolved.params)

@@ -793,3 +793,19 @@ def test_a_run_killed_before_its_first_record_is_listed_interrupted(tmp_path, ca
     killed_early(tmp_path / "runs" / "seed-0")
     table, _ = runs_table(path)
     assert table[["run_id", "status"]].values.tolist() == [["seed-0", "interrupted"]]
+
+
+def test_quoted_tilde_paths_are_expanded(tmp_path, monkeypatch, capsys):
+    # The shell expands ~ only unquoted; `lab` expands it in every path argument.
+    from lab.train.synthetic import SyntheticConfig, train_synthetic
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train_synthetic(SyntheticConfig(steps=2), tmp_path / "home" / "runs" / "a")
+    assert cli_main(["runs", "~/runs"]) == 0
+    assert "complete" in capsys.readouterr().out
+    assert cli_main(["run", "~/nb.ipynb", "--out", "~/runs/e"]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert str(tmp_path / "home" / "nb.ipynb") in err, err
+    assert not (tmp_path / "cwd" / "~").exists() and not (tmp_path / "home" / "runs" / "e").exists()

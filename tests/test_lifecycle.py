@@ -578,3 +578,14 @@ def test_the_notebook_layers_stand_in_record_is_not_another_trainers(tmp_path):
     mark_failed(tmp_path / "r", "r", {"steps": 5}, "failed in data loading")
     assert records.load_record(tmp_path / "r")["kind"] == "notebook"
     assert train_synthetic(SyntheticConfig(steps=5), tmp_path / "r")["status"] == "complete"
+
+
+def test_a_run_directory_under_tilde_is_the_home_one(tmp_path, monkeypatch):
+    # Every path the project reads expands ~; a trainer's out_dir must too, never making
+    # a folder literally named "~" in the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    record = train_synthetic(SyntheticConfig(steps=3), "~/runs/t")
+    assert record["status"] == "complete" and record["run_id"] == "t"
+    assert records.load_record(tmp_path / "home" / "runs" / "t")["status"] == "complete"
+    assert not (tmp_path / "~").exists()
