@@ -173,3 +173,25 @@ def test_the_real_configs_give_the_hints():
     with pytest.raises(ConfigError, match=r"CfCAuxConfig\.horizons must be tuple, got "
                        r"'\(1,5\)' \(str\); give a YAML list such as \[1, 5, 20\]"):
         CfCAuxConfig(horizons="(1,5)")
+
+
+
+@pytest.mark.parametrize("cls, name, dtype", [
+    ("ConvConfig", "lr", "float32"), ("ConvConfig", "weight_decay", "float32"),
+    ("ConvConfig", "lr", "float64"), ("EPConfig", "lr", "float32"),
+    ("EPConfig", "weight_decay", "float64"), ("CfCAuxConfig", "lr", None),
+    ("CfCAuxConfig", "aux_lr", None)])
+def test_an_optimizer_factor_beyond_the_dtype_is_refused(cls, name, dtype):
+    # torch's optimizers apply lr and weight decay in the parameters' dtype; a larger value
+    # stopped the run at its first step with torch's "cannot be converted ... overflow".
+    import lab.train
+
+    config_cls = getattr(lab.train, cls)
+    extra = {} if dtype is None else {"dtype": dtype}  # CfC's model is float32
+    config_cls(**{name: float(np.finfo(np.float32).max)}, **extra)  # the largest is fine
+    if dtype == "float64":
+        assert getattr(config_cls(**{name: 1e39}, **extra), name) == 1e39  # fits float64
+        return
+    with pytest.raises(ConfigError, match=rf"^{cls}\.{name}=1e\+39 overflows float32, the "
+                       r"dtype the optimizer applies it in \(largest 3\.40282e\+38\)"):
+        config_cls(**{name: 1e39}, **extra)

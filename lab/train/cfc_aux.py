@@ -47,7 +47,15 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, known_keywords, validate
+from ..config import (
+    SEED_MAX,
+    ConfigError,
+    bounded,
+    check_in_dtype,
+    choice,
+    known_keywords,
+    validate,
+)
 from ..data import DataError
 from ..data.identity import absolute, file_identity
 from ..data.prices import (
@@ -132,6 +140,7 @@ class CfCAuxConfig:
         if isinstance(self.horizons, list):
             object.__setattr__(self, "horizons", tuple(self.horizons))
         validate(self)
+        check_in_dtype(self, ("lr", "aux_lr"), "float32")  # the model is float32
         try:
             check_horizons(self.horizons, self.main_horizon)
         except DataError as err:

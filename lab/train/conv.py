@@ -31,6 +31,7 @@ from ..config import (
     ConfigError,
     FrozenParams,
     bounded,
+    check_in_dtype,
     choice,
     known_keywords,
     validate,
@@ -108,6 +109,7 @@ class ConvConfig:
         # Absolute, so the record names the directory whatever the working directory of a
         # later reader or resume.
         object.__setattr__(self, "data_dir", absolute(self.data_dir))
+        check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
         if (self.depth - 2) % 6:
             raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
                               "(8, 14, 20, 32, 44, 56, 110)")

@@ -69,7 +69,15 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, known_keywords, validate
+from ..config import (
+    SEED_MAX,
+    ConfigError,
+    bounded,
+    check_in_dtype,
+    choice,
+    known_keywords,
+    validate,
+)
 from ..data.identity import absolute
 from ..data.text import (
     TextError,
@@ -135,6 +143,7 @@ class EPConfig:
 
     def __post_init__(self):
         validate(self)
+        check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
         if self.d_model % self.n_heads:
             raise ConfigError(f"EPConfig.d_model={self.d_model} is not divisible by "
                               f"n_heads={self.n_heads}; each head gets d_model / n_heads "
