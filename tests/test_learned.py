@@ -183,6 +183,7 @@ def test_state_round_trip_resumes_exactly(name):
 @pytest.mark.parametrize("name", ["lhfa", "sdil"])
 @pytest.mark.parametrize("key, value, message", [
     ("pert_sigma", 0.0, r"pert_sigma=0.0 is out of range; allowed: "),
+    ("pert_sigma", 1.5, r"pert_sigma=1.5 is out of range; allowed: \(0.0, 1.0\]"),
     ("pert_every", 0, r"pert_every=0 is out of range; allowed: "),
     ("pert_directions", 0, r"pert_directions=0 is out of range; allowed: "),
     ("eta_A", 0.0, r"eta_A=0.0 is out of range; allowed: "),
@@ -685,3 +686,31 @@ def test_bill_after_warmup_and_steps_from_explicit_counts(name):
         "predictor": updates * batch * 8 * sum(units),
         "perturbation": 4 * elements}
     assert len(units) == n
+
+
+@pytest.mark.parametrize("name", ["lhfa", "sdil"])
+def test_a_calibration_that_observes_nothing_finite_stops_the_run(name, monkeypatch):
+    # Overflowing perturbed passes gave a NaN fit, every NLMS step was skipped, and the
+    # run went on as plain fa / dfa, recorded complete.
+    import dataclasses
+
+    model, x, y = smooth_net()
+    warm = {"lhfa": "warmup_steps", "sdil": "a_warmup_steps"}[name]
+    rule = make_rule(name, model, {warm: 0}, seed=0)
+    observe = rule.estimator.observe
+
+    def overflowing(*args, **kwargs):
+        probe = observe(*args, **kwargs)
+        return dataclasses.replace(probe, observations=torch.full_like(probe.observations,
+                                                                        math.inf))
+
+    monkeypatch.setattr(rule.estimator, "observe", overflowing)
+    with pytest.raises(FloatingPointError, match=(
+            rf"^rule '{name}': calibration event 1 fits the perturbation observations as nan "
+            r"though the loss is finite: the perturbed passes overflowed "
+            r"\(rule_params.pert_sigma=0.001\); give a smaller pert_sigma$")):
+        rule.calibrate(x, y)
+    assert rule.events == 0
+    monkeypatch.setattr(rule.estimator, "observe", observe)
+    rule.calibrate(x, y)  # finite observations: an ordinary event
+    assert rule.events == 1 and math.isfinite(rule.fit)

@@ -582,6 +582,7 @@ def rule_layers(model):
     ("rrm", {"mirror_sigma": -1.0}, r"mirror_sigma=-1.0 is out of range"),
     ("rrm", {"mirror_warmup_steps": -2}, r"mirror_warmup_steps=-2 is out of range"),
     ("nodepert", {"pert_sigma": 0.0}, r"pert_sigma=0.0 is out of range"),
+    ("nodepert", {"pert_sigma": 1.5}, r"pert_sigma=1.5 is out of range; allowed: \(0.0, 1.0\]"),
     ("nodepert", {"pert_directions": 0}, r"pert_directions=0 is out of range"),
     ("dfa", {"feedback_scale": -1.0}, r"feedback_scale=-1.0 is out of range"),
     ("dfa", {"projection_norm": "bp"}, r"projection_norm='bp'.*'fixed', 'gradient'"),

@@ -73,7 +73,7 @@ from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult, check_example_needs
 from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
-from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below
+from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below, pert_sigma_field
 from .registry import register
 from .traffic import SIGNALS, TRAFFIC_RATIO_MAX, _conv_weight_grad, apical_rms, calibrated_gains
 
@@ -92,6 +92,17 @@ def _estimator(model, p, seed: int, name: str) -> PerturbationEstimator:
         generator=torch.Generator().manual_seed(derive_seed(seed, name, "perturb")))
 
 
+def _check_fit(name: str, fit: float, loss: torch.Tensor, sigma: float, event: int) -> None:
+    """A calibration event whose observations are not finite teaches nothing: its NLMS
+    steps are skipped (curvature not > 0), so say so instead of running on as plain fa /
+    dfa. A non-finite loss is the run diverging, which the lifecycle reports."""
+    if not math.isfinite(fit) and bool(torch.isfinite(loss).all()):
+        raise FloatingPointError(
+            f"rule {name!r}: calibration event {event + 1} fits the perturbation observations "
+            f"as {fit} though the loss is finite: the perturbed passes overflowed "
+            f"(rule_params.pert_sigma={sigma}); give a smaller pert_sigma")
+
+
 def _draw_batch(x, y, size, generator):
     pick = torch.randperm(len(x), generator=generator)[:size].to(x.device)
     return x[pick], y[pick]
@@ -101,7 +112,7 @@ def _draw_batch(x, y, size, generator):
 class LHFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)
-    pert_sigma: float = bounded(1e-3, 0.0, lo_open=True)
+    pert_sigma: float = pert_sigma_field()
     pert_every: int = bounded(10, 1)  # optimizer steps between calibration events
     pert_directions: int = bounded(4, 1)  # per population and event
     pert_difference: str = choice("central", DIFFERENCES)
@@ -225,9 +236,12 @@ class LearnedFA(FeedbackAlignment):
             if curvature > 0:
                 b.sub_(self.params.eta_A * grad.square().sum() / curvature * grad)
             fits.append(float(residual.norm() / probe.estimate().norm().clamp_min(1e-300)))
+        fit = sum(fits) / len(fits) if fits else math.nan
+        if fits:
+            _check_fit(self.name, fit, loss, self.params.pert_sigma, self.events)
         self.events += 1
         self.calibration_examples += len(y)
-        self.fit = sum(fits) / len(fits) if fits else math.nan
+        self.fit = fit
 
     def epoch_metrics(self):
         return {**super().epoch_metrics(), "perturbation": self.estimator.counts(),
@@ -272,7 +286,7 @@ class SDILParams:
     # scale, 6 events to 0.17 from 0.01 of it).
     feedback_scale: float = bounded(0.01, 0.0, lo_open=True)
     feedback_seed: int = bounded(0, 0, SEED_MAX)
-    pert_sigma: float = bounded(1e-3, 0.0, lo_open=True)
+    pert_sigma: float = pert_sigma_field()
     pert_every: int = bounded(10, 1)
     pert_directions: int = bounded(4, 1)
     pert_difference: str = choice("central", DIFFERENCES)
@@ -432,9 +446,11 @@ class SDIL(Rule):
             if curvature > 0:
                 self.A[i].sub_(self.params.eta_A * grad.square().sum() / curvature * grad)
             fits.append(float(residual.norm() / probe.estimate().norm().clamp_min(1e-300)))
+        fit = sum(fits) / len(fits)
+        _check_fit(self.name, fit, losses, self.params.pert_sigma, self.events)
         self.events += 1
         self.calibration_examples += len(y)
-        self.fit = sum(fits) / len(fits)
+        self.fit = fit
 
     def prepare(self, x, y):
         """A warm-up, then the traffic gains (against the calibrated I), then the predictor."""

@@ -34,13 +34,13 @@ from ..config import bounded, validate
 from .base import Rule, StepResult
 from .common import Segments, derive_seed, full_fp32
 from .feedback import check_supported
-from .perturbation import PerturbationEstimator, below
+from .perturbation import PerturbationEstimator, below, pert_sigma_field
 from .registry import register
 
 
 @dataclass(frozen=True)
 class NodePertParams:
-    pert_sigma: float = bounded(1e-3, 0.0, lo_open=True)
+    pert_sigma: float = pert_sigma_field()
     pert_directions: int = bounded(1, 1)
 
     def __post_init__(self):

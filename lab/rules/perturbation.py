@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import bounded
 from ..models.mlp import MLP
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
@@ -60,6 +61,16 @@ from .common import full_fp32
 
 DIFFERENCES = ("central", "forward")
 BASES = ("gaussian", "orthogonal")
+
+# The perturbation's standard deviation next to activity of order 1 (normalised, rectified
+# populations): the finite differences assume it small, and 1 is already as large as the
+# signal (at 1e30 the perturbed passes overflowed float32 and calibration learned nothing).
+PERT_SIGMA_MAX = 1.0
+
+
+def pert_sigma_field():
+    """The ``pert_sigma`` field of every perturbing rule's parameters (a fresh Field each)."""
+    return bounded(1e-3, 0.0, PERT_SIGMA_MAX, lo_open=True)
 
 
 def below(model: nn.Module, hs: list[torch.Tensor], index: int) -> torch.Tensor | None:
