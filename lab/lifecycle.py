@@ -349,7 +349,8 @@ class Lifecycle:
         # Compared as stored (NaN == NaN there), which is also how a resumed record reads.
         saved = records.encode_nonfinite(identity(saved_config.get("config", saved_config)))
         now = records.encode_nonfinite(identity(self.config_dict))
-        detail = _differences(saved, now, ", ")
+        # Leaf by leaf, as the CLI does: rule_params.eta_A, not two whole dicts.
+        detail = _differences(dict(_leaves("", saved)), dict(_leaves("", now)), ", ")
         if detail:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run with a different config ({detail}); "

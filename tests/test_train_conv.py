@@ -139,6 +139,16 @@ def test_resume_refuses_a_different_config(tiny, tmp_path):
         train_conv(ConvConfig(**tiny, lr=0.2), tmp_path / "r")
 
 
+def test_a_different_rule_parameter_is_named_by_its_dotted_key(tiny, tmp_path):
+    # Not the two whole rule_params dicts (11 keys for lhfa, 19 for sdil) differing in one.
+    config = ConvConfig(**{**tiny, "rule": "kp"})
+    train_conv(config, tmp_path / "r")
+    other = ConvConfig(**{**tiny, "rule": "kp", "rule_params": {"feedback_scale": 0.5}})
+    with pytest.raises(CheckpointError, match=r"different config \(rule_params.feedback_scale: "
+                       r"1.0 there vs 0.5 now\); use another"):
+        train_conv(other, tmp_path / "r")
+
+
 def test_corrupt_checkpoint_is_named(tiny, tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / CHECKPOINT).write_bytes(b"not a checkpoint")
