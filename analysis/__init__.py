@@ -3,8 +3,9 @@
 Nothing here imports torch: a run's record is plain JSON (``record.json``) and its
 rows are JSON-lines parts (``rows/<axis>/<start>-<end>.jsonl``), read by ``lab.records``.
 Arguments are checked (``analysis.checks``): a bare str where a list of names is
-expected, an unknown field or axis, an empty table, is an error naming the
-parameter, the value and what is allowed.
+expected, a group key named twice, an unknown field, prefix or axis, an empty
+table, a flag that is not a bool, is an error naming the parameter, the value and
+what is allowed.
 """
 
 from .checks import check_names

@@ -10,9 +10,12 @@ names, got 'test_acc' (str)".
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import pandas as pd
+
+from lab.records import check_flag
 
 # Sequences of names that are taken as lists. A str is a sequence too, which is
 # exactly the mistake refused here.
@@ -31,6 +34,25 @@ def names(value, parameter: str, what: str = "metric names") -> list[str]:
         raise TypeError(f"{parameter} must be a list of {what}, got {items!r} "
                         f"({bad[0]!r} is {type(bad[0]).__name__}, not a name)")
     return items
+
+
+def check_group_keys(value, function: str) -> list[str]:
+    """``group_keys`` as a list of column names (see :func:`names`), each named once: a
+    repeated key would reach pandas as a column inserted twice ("cannot insert rule,
+    already exists") or label every group "rule=bp, rule=bp"."""
+    items = names(value, "group_keys", "column names")
+    repeated = [key for key, count in Counter(items).items() if count > 1]
+    if repeated:
+        raise ValueError(f"{function}: group_keys names {', '.join(map(repr, repeated))} more "
+                         f"than once ({items!r}); give each column once, e.g. "
+                         f"{list(dict.fromkeys(items))!r}")
+    return items
+
+
+def flag(value, function: str, parameter: str) -> bool:
+    """A keyword flag as a bool; "no", 0 or None is a TypeError naming ``parameter``
+    (as lab.records' flags: truthiness would read "no" as True)."""
+    return check_flag(value, function, parameter)
 
 
 def check_names(**lists) -> None:

@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from lab.records import TIDY_COLUMNS
 
-from .checks import dataframe, listing, names
+from .checks import check_group_keys, dataframe, listing, names
 
 _PANEL = (4.2, 3.2)
 
@@ -128,13 +128,16 @@ def row_axis(metrics: pd.DataFrame, fields: Sequence[str] = ()) -> str:
 def curve_bands(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence[str],
                 field: str, axis: str | None = None) -> pd.DataFrame:
     """Per group and row (epoch or step; the column is named after the axis):
-    mean, std (over seeds, ddof=1) and n of ``field``."""
-    group_keys = names(group_keys, "group_keys", "column names")
-    _check_tables("curve_bands", metrics, table, group_keys)
+    mean, std (over seeds, ddof=1) and n of ``field``. A field that none of the table's
+    runs logged (on ``axis``, when given) is a ValueError naming the fields there are,
+    not an empty frame."""
+    group_keys = check_group_keys(group_keys, "curve_bands")
+    check_tables("curve_bands", metrics, table, group_keys)
     if not isinstance(field, str):
         raise TypeError(f"curve_bands: field must be one metric name (str), got {field!r} "
                         f"({type(field).__name__})")
     _check_axis(axis)
+    _check_fields("curve_bands", metrics, table, [field], axis)
     axis = axis or row_axis(metrics, [field])
     rows = metrics[(metrics["axis"] == axis) & (metrics["metric"] == field)]
     labels = table.assign(group=[group_label(r, group_keys) for _, r in table.iterrows()])
@@ -147,16 +150,18 @@ _METRICS = "the tidy metrics table (ProtocolRuns.metrics or lab.records.load_met
 _TABLE = "the runs table, one row per run (ProtocolRuns.table())"
 
 
-def _check_tables(function: str, metrics, table, group_keys: list[str]) -> None:
+def check_tables(function: str, metrics, table, group_keys: list[str],
+                 order: str | None = None) -> None:
     """``metrics`` has the tidy columns and ``table`` run_id and the group keys; the
     two tables given in the wrong order (a natural slip: both are DataFrames of one
-    protocol) are named as swapped."""
+    protocol) are named as swapped, with the call's order (``order``, by default
+    ``<function>(metrics, table, group_keys, ...)``)."""
     dataframe(metrics, "metrics", _METRICS)
     dataframe(table, "table", _TABLE)
     tidy = list(TIDY_COLUMNS)
     swapped = (set(tidy) <= set(table.columns) and not set(tidy) <= set(metrics.columns))
-    hint = (f"; metrics and table look swapped (the order is {function}(metrics, table, "
-            "group_keys, ...))" if swapped else "")
+    order = order or f"{function}(metrics, table, group_keys, ...)"
+    hint = f"; metrics and table look swapped (the order is {order})" if swapped else ""
     lacking = [column for column in tidy if column not in metrics.columns]
     if lacking:
         raise ValueError(f"{function}: metrics lacks column(s) {listing(lacking)}: it must be "
@@ -182,8 +187,8 @@ def _listing(values, limit: int = 30) -> str:
         if values else "none"
 
 
-def _check_fields(metrics: pd.DataFrame, table: pd.DataFrame, fields: list[str],
-                  axis: str | None) -> None:
+def _check_fields(function: str, metrics: pd.DataFrame, table: pd.DataFrame,
+                  fields: list[str], axis: str | None) -> None:
     """Every field has rows among the table's runs (on ``axis`` when given)."""
     rows = metrics[metrics["run_id"].isin(set(table["run_id"])) & metrics["axis"].isin(AXES)]
     if axis is not None:
@@ -192,7 +197,7 @@ def _check_fields(metrics: pd.DataFrame, table: pd.DataFrame, fields: list[str],
     unknown = [field for field in fields if field not in have]
     if unknown:
         where = f"on the {axis} axis" if axis else "on the epoch or step axis"
-        raise ValueError(f"learning_curves: no run of the table has field(s) "
+        raise ValueError(f"{function}: no run of the table has field(s) "
                          f"{', '.join(map(repr, unknown))} {where}; fields there: "
                          f"{_listing(have)}")
 
@@ -209,14 +214,14 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
     the table's runs logged (on ``axis``, when given) is a ValueError naming it
     and the fields there are, not an empty panel.
     """
-    group_keys = names(group_keys, "group_keys", "column names")
+    group_keys = check_group_keys(group_keys, "learning_curves")
     fields = names(fields, "fields")
     if not fields:
         raise ValueError("learning_curves: fields is empty; name at least one metric to "
                          "draw, e.g. ['train_loss']")
-    _check_tables("learning_curves", metrics, table, group_keys)
+    check_tables("learning_curves", metrics, table, group_keys)
     _check_axis(axis)
-    _check_fields(metrics, table, fields, axis)
+    _check_fields("learning_curves", metrics, table, fields, axis)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
     for ax, field in zip(axes, fields):

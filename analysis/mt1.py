@@ -19,6 +19,7 @@ import math
 
 import pandas as pd
 
+from .checks import flag
 from .figures import NotebookFigure as Figure
 
 CONDITION = "rule_params.traffic_rule"
@@ -157,7 +158,8 @@ def ratio_frame(data, numerator: str, denominator: str) -> pd.DataFrame:
 
 
 def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
-    """One line per condition over epochs."""
+    """One line per condition over epochs (``log``: a log y axis, True or False)."""
+    log = flag(log, "lines", "log")
     fig = Figure(figsize=(5.5, 3.4), layout="constrained")
     ax = fig.subplots()
     for condition in frame.columns:

@@ -15,8 +15,10 @@ import pandas as pd
 
 from lab import records
 
+from .checks import check_group_keys
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
+from .figures import check_tables
 
 # Quantities the README and the comparison notebook report per rule (each run's
 # record declares its rows; these are what this analysis needs on top).
@@ -30,6 +32,13 @@ ALIGNMENT_FIELDS = ("alignment/mean_update_cos", "alignment/mean_teaching_cos")
 # fault here: the probe is skipped (the row holds no alignment) when the loss is not finite.
 UNDEFINED = ("alignment/",)
 FEEDBACK_RULES = ("fa", "kp", "usf", "brsf", "frsf", "wm", "rrm")
+# The per-name families this module draws (layer or population after the prefix). A run
+# logs the feedback family only when its rule has feedback tensors, so a table none of
+# whose runs logs one of these (bp and dfa only) is a result, not a typo.
+PER_NAME_PREFIXES = ("alignment/update_cos/", "alignment/teaching_cos/", "rule/feedback/cos/")
+# The record kind of lab.train.conv's runs (ConvConfig.KIND; not imported: no torch here),
+# the only trainer whose work section is a per-example MAC bill by component.
+CONV_KIND = "conv"
 
 
 def _last_epoch(expect) -> int | None:
@@ -112,9 +121,32 @@ def _epoch_rows(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.D
     return rows.assign(name=rows["metric"].str[len(prefix):])
 
 
+def _prefixes(metrics: pd.DataFrame) -> list[str]:
+    """The families of ``metrics``' names: each name up to its last "/" (names without one
+    are not families)."""
+    return sorted({name[: name.rindex("/") + 1] for name in metrics.unique() if "/" in name})
+
+
 def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
-    """Mean over seeds per (rule, name, epoch) of metrics ``<prefix><name>``."""
+    """Mean over seeds per (rule, name, epoch) of metrics ``<prefix><name>``.
+
+    A prefix that no epoch metric of the table's runs starts with is a ValueError naming
+    the prefixes there are (a typo, not an empty frame), except one of
+    ``PER_NAME_PREFIXES`` (``rule/feedback/cos/`` in a table of rules without feedback
+    tensors): that gives an empty frame."""
+    check_tables("per_name_over_epochs", metrics, table, ["rule"],
+                 order="per_name_over_epochs(metrics, table, prefix)")
+    if not isinstance(prefix, str) or not prefix:
+        raise TypeError(f"per_name_over_epochs: prefix must be the start of metric names (a "
+                        f"non-empty str), e.g. 'alignment/update_cos/', got {prefix!r} "
+                        f"({type(prefix).__name__})")
     rows = _epoch_rows(metrics, table, prefix)
+    if not len(rows) and prefix not in PER_NAME_PREFIXES:
+        there = metrics.loc[(metrics["axis"] == "epoch")
+                            & metrics["run_id"].isin(set(table["run_id"])), "metric"]
+        shown = ", ".join(map(repr, _prefixes(there))) or "none"
+        raise ValueError(f"per_name_over_epochs: no field of any run of the table starts with "
+                         f"{prefix!r} on the epoch axis; prefixes there: {shown}")
     out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean()
     return out.reset_index().rename(columns={"index": "epoch"})
 
@@ -174,16 +206,55 @@ def mean_lines(frame: pd.DataFrame, ylabel: str) -> Figure:
     return fig
 
 
+def _no_bill(run_id: str, record: dict) -> str | None:
+    """Why run ``run_id`` has no per-example MAC bill (None when it has one)."""
+    work = record.get("work") or {}
+    missing = [key for key in ("examples", "macs") if key not in work]
+    if not missing:
+        return None
+    what = f"{record.get('status')}, kind {record.get('kind')}"
+    lacks = f"work.{' and work.'.join(missing)} missing"
+    other = records.another_trainers(record, CONV_KIND)
+    if other:
+        why = f"another trainer's run ({other}), whose work is not a conv compute bill"
+    elif not work or set(work) <= {"train_wall_s"}:
+        why = "a run that never trained (its work is empty)"
+    else:
+        why = "its work is not a conv compute bill"
+    return f"{run_id!r} ({what}): {lacks}: {why}"
+
+
 def compute_bill(table: pd.DataFrame, runs_dir, group_keys=("rule",)) -> pd.DataFrame:
     """Per group (default: per rule), MACs per training example by component (mean over
-    seeds), and total. With several ``group_keys`` the index has one level per key."""
-    group_keys = list(group_keys)
+    seeds), and total. With several ``group_keys`` the index has one level per key.
+
+    Every run of the table must have a conv compute bill (``work.examples`` and
+    ``work.macs``, as ``lab.train.conv`` writes): a failed run that never trained, or
+    another trainer's run (ep, cfc_aux), is a ValueError naming each such run, not left
+    out: a group's mean over the runs that happen to have a bill, or a group gone from
+    the bill, is not the protocol's result (as :func:`rules_table` refuses incomplete
+    data). Drop those runs from the table to bill the others."""
+    group_keys = check_group_keys(group_keys, "compute_bill")
+    if not group_keys:
+        raise ValueError("compute_bill: group_keys is empty; name the column(s) to bill per, "
+                         "e.g. ['rule']")
     _check_table(table, "compute_bill", ["run_id", *group_keys])
+    works, unbilled = [], []
+    for run_id in table["run_id"]:
+        record = records.load_record(f"{runs_dir}/{run_id}", rows=False)
+        reason = _no_bill(run_id, record)
+        if reason:
+            unbilled.append((run_id, reason))
+        works.append(record.get("work") or {})
+    if unbilled:
+        ids = [run_id for run_id, _ in unbilled]
+        raise ValueError(f"compute_bill: {len(ids)} run(s) of the table have no conv compute "
+                         f"bill: {'; '.join(reason for _, reason in unbilled)}. Drop them from "
+                         f"the table, e.g. table[~table['run_id'].isin({ids!r})]")
     rows = []
-    for run in table[["run_id", *group_keys]].itertuples(index=False):
-        work = records.load_record(f"{runs_dir}/{run[0]}")["work"]
+    for work, point in zip(works, table[group_keys].itertuples(index=False, name=None)):
         examples = max(1, work["examples"])
-        rows.append({**dict(zip(group_keys, run[1:])),
+        rows.append({**dict(zip(group_keys, point)),
                      **{k: v / examples for k, v in work["macs"].items()}})
     frame = pd.DataFrame(rows)
     components = [c for c in frame.columns if c not in group_keys]
@@ -221,6 +292,7 @@ def label_grid_points(table: pd.DataFrame, group_keys: list[str]) -> pd.DataFram
     when the grid has keys besides rule and seed, so the figures and the bill, which
     draw one bar or panel per ``rule``, show each grid point apart instead of pooling
     them; with rule and seed only, the table as it is."""
+    group_keys = check_group_keys(group_keys, "label_grid_points")
     _check_table(table, "label_grid_points", ["rule", *group_keys])
     keys = ["rule"] + [k for k in group_keys if k != "rule"]
     if keys == ["rule"]:

@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab.records import RUN_COLUMNS
 
-from .checks import dataframe, listing, names
+from .checks import check_group_keys, dataframe, listing, names
 
 _ALL = "all runs"
 _STATS = ("mean", "std", "n")
@@ -82,7 +82,8 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
 
     ``table`` has one row per run (``ProtocolRuns.table()``); with no group keys
     (a grid over seeds only) every run is one group, labelled "all runs".
-    ``group_keys`` and ``metrics`` are lists of column names; a metric column must
+    ``group_keys`` and ``metrics`` are lists of column names (a group key named twice is
+    a ValueError; a metric named twice is summarized once); a metric column must
     hold numbers. A group key may not be named like a column the summary makes
     (``n``, ``<metric>/mean``, ...).
 
@@ -97,7 +98,7 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     but its name says it was meant as a group key.
     """
     table = dataframe(table, "table", "the runs table, one row per run (ProtocolRuns.table())")
-    group_keys = names(group_keys, "group_keys", "column names")
+    group_keys = check_group_keys(group_keys, "summarize")
     metrics = names(metrics, "metrics", "column names")
     missing = [c for c in group_keys + metrics if c not in table.columns]
     if missing:

@@ -600,6 +600,17 @@ def _check_path_arg(value: Any, function: str, parameter: str, what: str) -> Non
                 + ("; '.' names the current directory" if isinstance(value, str) else ""))
 
 
+def check_flag(value: Any, function: str, parameter: str) -> bool:
+    """``value`` as a bool when it is one (numpy's included); anything else is a TypeError
+    naming ``function``, ``parameter`` and the value. Truthiness would read "no" or
+    "False" (non-empty strings) as True and quietly do the opposite of what was asked."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+    raise TypeError(f"{function}: {parameter} must be a bool, got {shown} "
+                    f"({type(value).__name__}); give True or False")
+
+
 def _record_path(run_dir_or_record_json) -> Path:
     path = Path(run_dir_or_record_json)
     return path if path.suffix == ".json" else path / RECORD_FILE
@@ -699,9 +710,11 @@ def load_record(run_dir_or_record_json, *, rows: bool = True) -> dict:
     """Read and validate one record; any problem is a RecordError naming the file.
 
     With ``rows`` the rows come along under ``trajectory`` (epoch) and ``steps``
-    (step), as lists of dicts.
+    (step), as lists of dicts. ``rows`` is True or False (``rows="no"`` is a TypeError,
+    not a truthy "yes").
     """
     _check_path_arg(run_dir_or_record_json, "load_record", "run_dir_or_record_json", _ONE_RUN)
+    rows = check_flag(rows, "load_record", "rows")
     path = _record_path(run_dir_or_record_json)
     record = _read_record(path)
     if rows and record["schema_version"] != 1:
@@ -867,9 +880,11 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     with "/" (final names match tidy_metrics' metric names); a final that is None
     is a NaN column. Any unreadable
     record raises one RecordError listing every bad path. A ``root`` that is not a
-    path (a list, an int, None) is a TypeError naming it.
+    path (a list, an int, None), or an ``include_old`` that is not a bool, is a
+    TypeError naming it.
     """
     _check_path_arg(root, "load_runs", "root", _RUNS)
+    include_old = check_flag(include_old, "load_runs", "include_old")
     rows, problems = [], []
     for path in _record_paths(root, include_old):
         try:
@@ -939,8 +954,10 @@ def run_metrics(record_path) -> pd.DataFrame:
 def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     """All runs' tidy metrics under ``root`` (row stores, or version 1 records); runs
     moved aside by ``--force`` are left out unless ``include_old`` (see load_runs).
-    A ``root`` that is not a path (a list, an int, None) is a TypeError naming it."""
+    A ``root`` that is not a path (a list, an int, None), or an ``include_old`` that is
+    not a bool, is a TypeError naming it."""
     _check_path_arg(root, "load_metrics", "root", _RUNS)
+    include_old = check_flag(include_old, "load_metrics", "include_old")
     frames, problems = [], []
     for path in _record_paths(root, include_old):
         try:

@@ -916,3 +916,55 @@ def test_summary_notebook_names_a_misspelled_trajectory_field(tmp_path):
     assert result.status == "failed"
     assert "no run records a row field 'val_los'; recorded: 'val_loss'," in result.error
     assert "rerun the sweep" not in result.error and "missing at epochs" not in result.error
+
+
+def test_curve_bands_name_an_unknown_field_as_learning_curves_do():
+    # An unknown field gave an empty frame: a typo read as "no data".
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    fields = "epoch_wall_s, lr, train_acc, train_loss, val_acc, val_loss"
+    with pytest.raises(ValueError, match=rf"^curve_bands: no run of the table has field\(s\) "
+                                         rf"'trainloss' on the epoch or step axis; fields "
+                                         rf"there: {fields}$"):
+        curve_bands(data.metrics, table, ["rule"], "trainloss")
+    with pytest.raises(ValueError, match=r"^curve_bands: no run of the table has field\(s\) "
+                                         r"'train_loss' on the step axis; fields there: none$"):
+        curve_bands(data.metrics, table, ["rule"], "train_loss", axis="step")
+    # A field the table's runs logged is still banded: the mean over each group's seeds.
+    bands = curve_bands(data.metrics, table, ["lr"], "train_loss")
+    assert set(bands["group"]) == {"lr=0.05", "lr=0.2"}
+    m = data.metrics
+    for (group, epoch), mean in bands.set_index(["group", "epoch"])["mean"].items():
+        ids = table.loc[table["lr"] == float(group.removeprefix("lr=")), "run_id"]
+        values = m[m["run_id"].isin(ids) & (m["axis"] == "epoch") & (m["index"] == epoch)
+                   & (m["metric"] == "train_loss")]["value"]
+        assert len(values) == 2 and mean == pytest.approx(values.mean(), rel=1e-12)
+
+
+def test_a_group_key_given_twice_is_named_not_a_pandas_error():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table = data.table()
+    message = (r"group_keys names 'rule' more than once \(\['rule', 'lr', 'rule'\]\); give each "
+               r"column once, e.g. \['rule', 'lr'\]$")
+    # Was pandas' "cannot insert rule, already exists".
+    with pytest.raises(ValueError, match=rf"^summarize: {message}"):
+        summarize(table, ["rule", "lr", "rule"], ["final.test_acc"])
+    with pytest.raises(ValueError, match=rf"^curve_bands: {message}"):
+        curve_bands(data.metrics, table, ["rule", "lr", "rule"], "train_loss")
+    with pytest.raises(ValueError, match=rf"^learning_curves: {message}"):
+        learning_curves(data.metrics, table, ["rule", "lr", "rule"], ["train_loss"])
+    # A metric named twice is summarized once, as before.
+    once = summarize(table, ["rule"], ["final.test_acc"])
+    assert summarize(table, ["rule"], ["final.test_acc", "final.test_acc"]).equals(once)
+
+
+def test_mt1_lines_log_is_a_bool():
+    from analysis import mt1
+
+    frame = pd.DataFrame({"none": [1.0, 2.0], "raw": [3.0, 4.0]}, index=[0, 1])
+    for value, shown in (("no", r"'no' \(str\)"), (0, r"0 \(int\)"), (None, r"None \(NoneType\)")):
+        with pytest.raises(TypeError, match=rf"^lines: log must be a bool, got {shown}; give "
+                                            r"True or False$"):
+            mt1.lines(frame, "rms", log=value)
+    assert mt1.lines(frame, "rms", log=True).axes[0].get_yscale() == "log"
+    assert mt1.lines(frame, "rms", log=False).axes[0].get_yscale() == "linear"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -425,3 +426,109 @@ def test_undefined_names_are_a_list_not_a_bare_string():
         "alignment/update_cos/stem) at epochs 2"]
     assert find_problems(data.runs, data.metrics, data.expected_ids,
                          undefined=compare.UNDEFINED) == []
+
+
+def test_per_name_over_epochs_names_an_unknown_prefix():
+    data = _rules_data()
+    table = data.table()
+    epoch = data.metrics[data.metrics["axis"] == "epoch"]["metric"]
+    # Oracle: the families of the epoch metrics, each name up to its last "/".
+    families = sorted({name.rsplit("/", 1)[0] + "/" for name in epoch if "/" in name})
+    assert "alignment/update_cos/" in families and "rule/feedback/cos/" in families
+    shown = re.escape(", ".join(map(repr, families)))
+    # Was an empty frame: a typo read as "no rule logged it".
+    with pytest.raises(ValueError, match=r"^per_name_over_epochs: no field of any run of the "
+                                         r"table starts with 'alignment/bogus' on the epoch "
+                                         rf"axis; prefixes there: {shown}$"):
+        compare.per_name_over_epochs(data.metrics, table, "alignment/bogus")
+    # Only the table's runs count: kp's feedback cosines are not bp's.
+    bp = table[table["rule"] == "bp"]
+    with pytest.raises(ValueError, match=r"starts with 'rule/feedback/rel_err/' .*; prefixes "
+                                         r"there: 'alignment/', 'alignment/teaching_cos/', "
+                                         r"'alignment/update_cos/'$"):
+        compare.per_name_over_epochs(data.metrics, bp, "rule/feedback/rel_err/")
+    # A family this module draws that no run of the table logs is a result (bp and dfa
+    # have no feedback tensors): an empty frame, as the comparison notebook expects.
+    empty = compare.per_name_over_epochs(data.metrics, bp, "rule/feedback/cos/")
+    assert len(empty) == 0 and list(empty.columns) == ["rule", "name", "epoch", "value"]
+    with pytest.raises(TypeError, match=r"^per_name_over_epochs: prefix must be the start of "
+                                        r"metric names \(a non-empty str\), e.g. "
+                                        r"'alignment/update_cos/', got \['alignment/'\] "
+                                        r"\(list\)$"):
+        compare.per_name_over_epochs(data.metrics, table, ["alignment/"])
+    with pytest.raises(ValueError, match=r"^per_name_over_epochs: metrics lacks column\(s\) "
+                                         r"'axis'.* look swapped \(the order is "
+                                         r"per_name_over_epochs\(metrics, table, prefix\)\)$"):
+        compare.per_name_over_epochs(table, data.metrics, "alignment/update_cos/")
+
+
+def test_compute_bill_group_keys_are_a_list_of_distinct_columns():
+    data = _rules_data()
+    table = data.table()
+    # Was "column(s) r, u, l, e not in the table": the string read letter by letter.
+    with pytest.raises(TypeError, match=r"^group_keys must be a list of column names, got "
+                                        r"'rule' \(str\)$"):
+        compare.compute_bill(table, data.runs_dir, group_keys="rule")
+    with pytest.raises(ValueError, match=r"^compute_bill: group_keys names 'rule' more than "
+                                         r"once \(\['rule', 'rule'\]\); give each column once"):
+        compare.compute_bill(table, data.runs_dir, group_keys=["rule", "rule"])
+    with pytest.raises(ValueError, match=r"^compute_bill: group_keys is empty; name the "
+                                         r"column\(s\) to bill per, e.g. \['rule'\]$"):
+        compare.compute_bill(table, data.runs_dir, group_keys=[])
+    with pytest.raises(ValueError, match=r"^label_grid_points: group_keys names 'seed' more "
+                                         r"than once"):
+        compare.label_grid_points(table, ["seed", "seed"])
+    with pytest.raises(TypeError, match=r"^group_keys must be a list of column names, got "
+                                        r"'seed' \(str\)$"):
+        compare.label_grid_points(table, "seed")
+
+
+def _bill_oracle(runs_dir, run_ids):
+    """MACs per example of each run, read straight from its record."""
+    out = {}
+    for run_id in run_ids:
+        work = records.load_record(runs_dir / run_id, rows=False)["work"]
+        out[run_id] = {k: v / work["examples"] for k, v in work["macs"].items()}
+    return out
+
+
+def test_compute_bill_names_each_run_without_a_bill(tmp_path):
+    import shutil
+
+    from lab.train.conv import ConvConfig
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(RULES_FIXTURE.parent / "runs", runs_dir)
+    table = _rules_data().table()
+
+    def edit(run_id, **fields):
+        record = records.load_record(runs_dir / run_id, rows=False)
+        record.update(fields)
+        records.write_record(runs_dir / run_id, record)
+
+    # A failed run that never trained, and another trainer's run beside the conv runs.
+    edit("rule-kp_seed-0", status="failed", error="RuntimeError: boom", work={})
+    edit("rule-dfa_seed-1", kind="ep", work={"ep": {"macs": 10}, "train_wall_s": 1.0})
+    # Was a bare KeyError: 'examples', naming no run.
+    with pytest.raises(ValueError, match=re.escape(
+            "compute_bill: 2 run(s) of the table have no conv compute bill: 'rule-dfa_seed-1' "
+            "(complete, kind ep): work.examples and work.macs missing: another trainer's run "
+            "(ep), whose work is not a conv compute bill; 'rule-kp_seed-0' (failed, kind conv): "
+            "work.examples and work.macs missing: a run that never trained (its work is "
+            "empty). Drop them from the table, e.g. table[~table['run_id'].isin("
+            "['rule-dfa_seed-1', 'rule-kp_seed-0'])]") + "$"):
+        compare.compute_bill(table.sort_values("run_id"), runs_dir)
+    # As the message says: the other runs are billed, each rule's mean over its runs.
+    kept = table[~table["run_id"].isin(["rule-dfa_seed-1", "rule-kp_seed-0"])]
+    bill = compare.compute_bill(kept, runs_dir)
+    oracle = _bill_oracle(runs_dir, kept["run_id"])
+    for rule, row in bill.iterrows():
+        ids = kept.loc[kept["rule"] == rule, "run_id"]
+        for component, value in row.drop("total").items():
+            want = statistics.mean(oracle[i].get(component, 0.0) for i in ids)
+            assert value == pytest.approx(want, rel=1e-12)
+        assert row["total"] == pytest.approx(
+            statistics.mean(sum(oracle[i].values()) for i in ids), rel=1e-12)
+    assert row["total"] > 0
+    # The kind a conv run's record carries (analysis imports no torch, so it is written out).
+    assert compare.CONV_KIND == ConvConfig.KIND

@@ -577,3 +577,33 @@ def test_load_runs_keeps_a_final_that_is_none_as_a_nan_column(tmp_path):
     runs = records.load_runs(tmp_path / "a")
     assert math.isnan(runs["final.lift_step"].item()) and math.isnan(runs["final.nested/k"].item())
     assert runs["final.val_acc"].item() == 0.5 and runs["final.nested/m"].item() == 2
+
+
+def test_keyword_flags_are_bools_not_truthy_values(base_record, tmp_path):
+    import numpy as np
+
+    # A run and the one --force moved aside (same run_id): include_old decides whether
+    # the old one is read. "no" is truthy: it read the old run as if True.
+    records.save_run(tmp_path / "r", filled(base_record, run_id="r", status="complete"))
+    records.save_run(tmp_path / "r.old-20261130T170000Z",
+                     filled(base_record, run_id="r", status="diverged"))
+    bools = r"; give True or False$"
+    for function in (records.load_runs, records.load_metrics):
+        name = function.__name__
+        for value, shown in (("no", r"'no' \(str\)"), ("False", r"'False' \(str\)"),
+                             (0, r"0 \(int\)"), (None, r"None \(NoneType\)")):
+            with pytest.raises(TypeError, match=rf"^{name}: include_old must be a bool, got "
+                                                rf"{shown}{bools}"):
+                function(tmp_path, include_old=value)
+    assert list(records.load_runs(tmp_path, include_old=False)["run_id"]) == ["r"]
+    both = records.load_runs(tmp_path, include_old=np.True_)  # numpy's bool is a bool
+    assert sorted(both["run_id"]) == ["r", "r.old-20261130T170000Z"]
+    assert set(records.load_metrics(tmp_path, include_old=True)["run_id"]) == set(both["run_id"])
+    # rows="no" loaded the rows.
+    for value, shown in (("no", r"'no' \(str\)"), (1, r"1 \(int\)"), ([], r"\[\] \(list\)")):
+        with pytest.raises(TypeError, match=rf"^load_record: rows must be a bool, got "
+                                            rf"{shown}{bools}"):
+            records.load_record(tmp_path / "r", rows=value)
+    assert "trajectory" not in records.load_record(tmp_path / "r", rows=False)
+    with_rows = records.load_record(tmp_path / "r", rows=True)
+    assert len(with_rows["trajectory"]) == with_rows["rows"]["epoch"] > 0
