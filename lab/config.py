@@ -278,13 +278,17 @@ def validate(config: Any) -> None:
     """Check every field of a dataclass instance; call from ``__post_init__``.
 
     A numpy number where an int or float belongs is stored as the Python number
-    (``plain_number``), also in frozen dataclasses.
+    (``plain_number``), and a list where a tuple belongs as the tuple (a record or a
+    YAML file holds it as a list), also in frozen dataclasses.
     """
     owner = type(config).__name__
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         plain = plain_number(value, hints[f.name])
+        if isinstance(plain, list) and _accepts(hints[f.name], tuple) \
+                and not _accepts(hints[f.name], list):
+            plain = tuple(plain)  # YAML and JSON records carry a tuple as a list
         if plain is not value:
             object.__setattr__(config, f.name, plain)
         check_field(owner, f.name, plain, hints[f.name], f.metadata)

@@ -813,25 +813,51 @@ def test_feedback_depends_on_the_run_seed_and_the_feedback_seed(name):
     assert not torch.allclose(same, draw(0, 1))
 
 
-def test_register_refuses_an_empty_or_taken_name():
+def test_register_refuses_what_is_not_a_rule():
+    import dataclasses
+
+    from lab.rules import Rule
     from lab.rules.registry import RULES, register
 
-    class Unnamed:
-        name = ""
+    def rule(rule_name, params=None):
+        attrs = {"name": rule_name} if params is None else {"name": rule_name, "Params": params}
+        return type("Custom", (Rule,), attrs)
 
-    class Taken:
-        name = "fa"
+    class NotARule:
+        name = "not_a_rule"
 
-    for cls in (Unnamed, Taken):
-        with pytest.raises(ValueError, match=rf"rule name {cls.name!r} is empty or already"):
+    class Loose:  # a dataclass, but not frozen: a config could not hash it
+        pass
+
+    cases = [
+        (NotARule, TypeError, r"^register\(<class .*NotARule'>\): a rule is a subclass of "
+         r"lab.rules.Rule$"),
+        (rule(""), ValueError, r"^rule class Custom: name='' is not allowed; give lower-case"),
+        (rule("my rule/x"), ValueError, r"^rule class Custom: name='my rule/x' is not allowed"),
+        (rule("Fa"), ValueError, r"name='Fa' is not allowed"),
+        (rule("fa"), ValueError, r"^rule name 'fa' is already registered, by "
+         r"lab.rules.feedback.FeedbackAlignment$"),
+        (rule("fresh_test_rule", dict), TypeError, r"^rule 'fresh_test_rule': Custom.Params="
+         r"<class 'dict'> is not a frozen dataclass; declare"),
+        (rule("fresh_test_rule", dataclasses.dataclass(Loose)), TypeError,
+         r"Params=.*Loose'> is not a frozen dataclass"),
+    ]
+    for cls, error, message in cases:
+        with pytest.raises(error, match=message):
             register(cls)
-    assert RULES["fa"].__name__ == "FeedbackAlignment"
+    assert "fresh_test_rule" not in RULES and RULES["fa"].__name__ == "FeedbackAlignment"
 
-    class Fresh:
-        name = "fresh_test_rule"
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        tags: tuple = ()
 
+    fresh = rule("fresh_test_rule", Params)
     try:
-        assert register(Fresh) is Fresh and RULES["fresh_test_rule"] is Fresh
+        assert register(fresh) is fresh and RULES["fresh_test_rule"] is fresh
+        # A tuple parameter read back from a record (JSON holds it as a list) is the tuple.
+        from lab.rules.registry import rule_params
+
+        assert rule_params("fresh_test_rule", {"tags": [1, 2]}) == Params(tags=(1, 2))
     finally:
         RULES.pop("fresh_test_rule", None)
 

@@ -3,17 +3,45 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
-from ..config import SEED_MAX, ConfigError, field_names, from_dict, plain_number
+from ..config import SEED_MAX, ConfigError, field_names, from_dict, plain_number, validate
 
 RULES: dict[str, type] = {}
 
 
+# A rule's name goes into configs, run ids and record paths: plain and lower case.
+NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
 def register(cls):
-    if not cls.name or cls.name in RULES:
-        raise ValueError(f"rule name {cls.name!r} is empty or already registered")
-    RULES[cls.name] = cls
+    """Class decorator: add a rule to the registry under ``cls.name``.
+
+    A rule is a subclass of :class:`lab.rules.Rule` whose ``name`` is lower-case letters,
+    digits and ``_`` (starting with a letter) and whose ``Params`` is a frozen dataclass
+    of its hyper-parameters (``lab.config.bounded`` / ``choice`` fields, ``validate`` in
+    ``__post_init__``), so that a config can hold them hashed and checked.
+    """
+    from .base import Rule  # base imports the registry's helpers
+
+    if not (isinstance(cls, type) and issubclass(cls, Rule)):
+        raise TypeError(f"register({cls!r}): a rule is a subclass of lab.rules.Rule")
+    name = cls.name
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"rule class {cls.__name__}: name={name!r} is not allowed; give "
+                         "lower-case letters, digits and _, starting with a letter (it goes "
+                         "into configs, run ids and records)")
+    if name in RULES:
+        raise ValueError(f"rule name {name!r} is already registered, by "
+                         f"{RULES[name].__module__}.{RULES[name].__qualname__}")
+    params = cls.Params
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)
+            and params.__dataclass_params__.frozen):
+        raise TypeError(f"rule {name!r}: {cls.__name__}.Params={params!r} is not a frozen "
+                        "dataclass; declare the rule's parameters as @dataclass(frozen=True) "
+                        "(or leave Params out for a rule without any)")
+    RULES[name] = cls
     return cls
 
 
@@ -48,7 +76,9 @@ def rule_params(name: str, params=None):
             "(changing a config's rule with dataclasses.replace? pass rule_params for the new "
             "rule too, e.g. replace(config, rule=..., rule_params={}))")
     try:
-        return from_dict(cls.Params, dict(params or {}))
+        made = from_dict(cls.Params, dict(params or {}))
+        validate(made)  # again if its __post_init__ did: a custom Params may not
+        return made
     except ConfigError as err:
         # Named as the researcher wrote it (rule_params.x of rule r), not by the class
         # that holds the fields (TrafficParams.x).
