@@ -875,3 +875,41 @@ def test_a_bad_rule_parameter_names_the_rule_and_the_key_as_written(rule, params
 
     with pytest.raises(ConfigError, match=message):
         rule_params(rule, params)
+
+
+def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
+    # The README's "Your own rule" block, as written there: it registers, trains, and with
+    # scale 1/2 at twice the learning rate takes bp's steps (both factors powers of two).
+    import re
+    from pathlib import Path
+
+    from lab.rules.registry import RULES
+    from lab.train import ConvConfig, train_conv
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Your own rule"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    import sys
+    import types
+
+    module = types.ModuleType("readme_rule")  # dataclasses look their module up
+    sys.modules["readme_rule"] = module
+    try:
+        exec(compile(code, "README.md", "exec"), module.__dict__)
+        assert RULES["scaled_bp"].__name__ == "ScaledBackprop"
+        tiny = dict(depth=8, width=4, epochs=2, n_train=128, batch_size=32, threads=1,
+                    progress=False, schedule="constant", weight_decay=0.0, dtype="float64")
+        mine = train_conv(ConvConfig(**tiny, lr=0.2, rule="scaled_bp",
+                                     rule_params={"scale": 0.5}), tmp_path / "s")
+        bp = train_conv(ConvConfig(**tiny, lr=0.1), tmp_path / "bp")
+        assert mine["status"] == "complete" and mine["config"]["rule_params"] == {"scale": 0.5}
+        assert mine["final"]["test_loss"] == pytest.approx(bp["final"]["test_loss"], rel=1e-12)
+        assert mine["final"]["test_loss"] != pytest.approx(
+            train_conv(ConvConfig(**tiny, lr=0.2), tmp_path / "bp2")["final"]["test_loss"],
+            rel=1e-6)  # the scale matters
+        with pytest.raises(ConfigError, match=r"rule 'scaled_bp': rule_params.scale=0.0 is out "
+                           r"of range"):
+            ConvConfig(**tiny, rule="scaled_bp", rule_params={"scale": 0.0})
+    finally:
+        RULES.pop("scaled_bp", None)
+        sys.modules.pop("readme_rule", None)
