@@ -809,3 +809,11 @@ def test_a_batch_larger_than_the_training_split_warns_naming_both():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_run(_config(batch_size=n_train))  # every example once, on average: silent
+
+
+def test_a_synthetic_series_too_long_to_hold_is_refused():
+    # 10^12 steps reached numpy's MemoryError (7 TiB) in preflight instead of a message.
+    with pytest.raises(ConfigError, match=r"^CfCAuxConfig.synthetic_length=1000000000000 is "
+                       r"out of range; allowed: \[2, 1000000\]$"):
+        CfCAuxConfig(source="synthetic", synthetic_length=10**12)
+    assert CfCAuxConfig(source="synthetic", synthetic_length=10**6).synthetic_length == 10**6

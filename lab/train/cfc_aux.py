@@ -81,6 +81,9 @@ def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return numba_kernels.aux_add(dst, src)
 
 
+SYNTHETIC_LENGTH_MAX = 1_000_000
+
+
 @known_keywords
 @dataclass(frozen=True)
 class CfCAuxConfig:
@@ -94,7 +97,9 @@ class CfCAuxConfig:
     csv_path: str = ""  # source "csv": the file (made absolute on construction) ...
     column: str = ""  # ... and the column holding prices, oldest row first
     synthetic: str = choice("random_walk", SYNTHETIC_KINDS)  # source "synthetic"
-    synthetic_length: int = bounded(2000, 2)
+    # Steps of the generated series; each makes an example of seq_len x window returns,
+    # so 10^6 steps at the defaults already hold about 0.6 GB of examples.
+    synthetic_length: int = bounded(2000, 2, SYNTHETIC_LENGTH_MAX)
     drift: float = bounded(0.001, -1.0, 1.0)  # per-step log-return drift
     volatility: float = bounded(0.01, 0.0)  # per-step log-return noise (random_walk, regimes)
     regime_length: int = bounded(100, 1)  # steps between drift sign flips (regimes)
