@@ -9,7 +9,10 @@ Determinism without atomics: every sum of squares is formed per example row, in
 chunks of ``CHUNK`` units whose partial sums are added to the row's float64 total
 in chunk order; the population total adds the rows in row order. A task is one
 example row; which thread runs a task never changes the arithmetic, so results
-are equal bit for bit run to run and for any ``NUMBA_NUM_THREADS``.
+are equal bit for bit run to run and for any ``NUMBA_NUM_THREADS``, for the same
+aliasing of ``out``: an ``out`` that is I or h itself (allowed: each element is read
+before it is written) makes LLVM's overlap check take the loop's scalar version,
+whose sums of squares add in another order (they then differ in the last digits).
 
 Speed: inside a chunk the squares are summed in the input dtype (float32 lanes
 vectorise twice as wide as float64) with ``fastmath={"reassoc", "contract"}``, so

@@ -136,11 +136,11 @@ def _scalar(name: str, x, dtype: torch.dtype | None = None) -> float:
     that stays finite when rounded to it (the kernels form g*C in the input dtype)."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
-            raise ValueError(f"{name} must be a python float or a 0-d tensor, got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"{name} must be a python float or a one-element tensor, got "
+                             f"shape {tuple(x.shape)}")
         x = x.item()  # a host sync on a GPU: the gain is calibrated once, so it is cheap
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number (python float or a 0-d tensor), got "
+        raise TypeError(f"{name} must be a number (python float or a one-element tensor), got "
                         f"{x!r} ({type(x).__name__})")
     try:
         x = float(x)
@@ -281,7 +281,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     """The mixed apical signals of one population, and their sums of squares.
 
     I (instruction) and h (activity): (B, *U), one dtype and device; C, P, b:
-    per-unit (*U); gain: python float or 0-d tensor. Traffic T = (g*C)*h, raw
+    per-unit (*U); gain: python float or one-element tensor. Traffic T = (g*C)*h, raw
     R = I + T, innovation N = R - (P*h + b) (formed as I + ((g*C - P)*h - b)),
     matched M_e = R_e * ||N_e|| / ||R_e|| per example e (M_e = 0 where R_e == 0).
     ``rule`` picks ``.used``: raw R, innovation N or matched M. The sums of squares

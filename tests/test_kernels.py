@@ -250,7 +250,8 @@ def test_mixed_apical_errors_name_the_argument():
         nk.mixed_apical(**{**p, "h": torch.ones(5), "I": torch.ones(5)}, rule="raw")
     with pytest.raises(ValueError, match=r"gain must be finite, got nan"):
         nk.mixed_apical(**{**p, "gain": float("nan")}, rule="raw")
-    with pytest.raises(ValueError, match=r"gain must be a python float or a 0-d tensor"):
+    with pytest.raises(ValueError, match=r"gain must be a python float or a one-element "
+                                         r"tensor, got shape \(2,\)"):
         nk.mixed_apical(**{**p, "gain": torch.ones(2)}, rule="raw")
     out = torch.empty(4, 5, 3).transpose(1, 2)
     with pytest.raises(ValueError, match=r"out \(shape \(4, 3, 5\), stride \(15, 1, 3\).*"
