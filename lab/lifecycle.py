@@ -297,7 +297,7 @@ class Lifecycle:
                 self.divergence.check_companions(row, self._companions, "")
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
-                self._refuse_different(old, "record.json")
+                self._refuse_different(old, "record.json", old["status"])
                 self._refuse_other_data(old.get("data"), "record.json", old["status"])
                 self.finished, self.record = True, old
                 self.rows_logged = old.pop(records.ROW_KEYS[self.axis], [])
@@ -345,12 +345,18 @@ class Lifecycle:
         except records.RecordError:
             return None  # a damaged record of an unfinished run: the checkpoint decides
 
-    def _refuse_different(self, saved_config: dict, what: str) -> None:
+    def _refuse_different(self, saved_config: dict, what: str,
+                          finished: str | None = None) -> None:
         # Compared as stored (NaN == NaN there), which is also how a resumed record reads.
         saved = records.encode_nonfinite(identity(saved_config.get("config", saved_config)))
         now = records.encode_nonfinite(identity(self.config_dict))
         # Leaf by leaf, as the CLI does: rule_params.eta_A, not two whole dicts.
         detail = _differences(dict(_leaves("", saved)), dict(_leaves("", now)), ", ")
+        if detail and finished:  # nothing to resume: say what the directory holds
+            raise CheckpointError(
+                f"{self.out} holds a {finished} run with a different config ({detail}); "
+                "nothing was changed. Use another output directory, or move this one aside "
+                "to start afresh")
         if detail:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run with a different config ({detail}); "
@@ -385,9 +391,10 @@ class Lifecycle:
                 f"checkpoint {path} was written by an older lab (format "
                 f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this lab reads "
                 f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
-        if "identity" in state:
-            self._refuse_different(state["identity"], CHECKPOINT)
         status = state.get("status")
+        if "identity" in state:
+            self._refuse_different(state["identity"], CHECKPOINT,
+                                   status if status in ("complete", "diverged") else None)
         self._refuse_other_data(state.get("data"), CHECKPOINT,
                                 status if status in ("complete", "diverged") else None)
         missing = sorted(set(self.parts) - set(state.get("parts", {})))

@@ -144,8 +144,9 @@ def test_a_different_rule_parameter_is_named_by_its_dotted_key(tiny, tmp_path):
     config = ConvConfig(**{**tiny, "rule": "kp"})
     train_conv(config, tmp_path / "r")
     other = ConvConfig(**{**tiny, "rule": "kp", "rule_params": {"feedback_scale": 0.5}})
-    with pytest.raises(CheckpointError, match=r"different config \(rule_params.feedback_scale: "
-                       r"1.0 there vs 0.5 now\); use another"):
+    with pytest.raises(CheckpointError, match=r"r holds a complete run with a different config "
+                       r"\(rule_params.feedback_scale: 1.0 there vs 0.5 now\); nothing was "
+                       r"changed"):
         train_conv(other, tmp_path / "r")
 
 
