@@ -807,6 +807,7 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         raise runlock.RunLocked(out, state.pid)
     if state.status == "missing":
         return "execute", state
+    never = diffs = False
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
     elif (there := records.another_trainers(state.record, resolved.kind)) \
@@ -819,8 +820,7 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
     else:
         diffs = asked_differences(state.record, resolved)
         status = f"{_article(state.status)} {state.status}"
-        # A run that failed before its first row (a refused value) lost nothing: say so, as
-        # the --force it needs then only moves an empty attempt aside.
+        # A run that failed before its first row (a refused value) lost nothing.
         never = state.status == "failed" and not any((state.record.get("rows") or {}).values())
         reason, problem = "stale", (f"{status} run{' (it never trained a step)' if never else ''}"
                                     f" with other parameters ({'; '.join(diffs)})"
@@ -835,7 +835,9 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             if changed:
                 problem = f"{status} run whose data changed since ({'; '.join(changed)})"
     if problem:
-        if replace == "never":
+        # A failed run that never trained a step holds nothing to keep (it is a refused or
+        # broken attempt): corrected parameters replace it, moved aside as --force would.
+        if replace == "never" and not (reason == "stale" and never and diffs):
             raise RunConflict(
                 f"{out} already holds {problem}; nothing was changed. To run these parameters, "
                 "use another run directory (another `out` for a sweep), or --force to replace "

@@ -656,13 +656,16 @@ def test_cli_refuses_a_mistyped_own_parameter_before_anything(tmp_path, capsys, 
     assert not out.exists()
 
 
-def test_a_failed_run_that_never_trained_says_so_when_refused(tiny, tmp_path):
+def test_a_failed_run_that_never_trained_gives_way_to_corrected_parameters(tiny, tmp_path):
     # A run refused inside its kernel leaves a failed record with no rows; the corrected
-    # command was refused as if a real run stood there.
+    # command was refused as if a real run stood there, and needed --force.
     params = {**tiny, "epochs": 1, "threads": 1}
     resolved = resolve_parameters(TRAIN, params)
     mark_failed(tmp_path / "r", "r", {**resolved.config, "epochs": 2}, "ConfigError: no")
-    with pytest.raises(RunConflict, match=r"already holds a failed run \(it never trained a "
-                                          r"step\) with other parameters \(epochs: 2 there vs "
-                                          r"1 now\); nothing was changed"):
+    assert lab.notebook.decide(tmp_path / "r", resolved, "never")[0] == "replace"
+    # One that trained a step holds rows worth keeping: still refused without --force.
+    record = records.load_record(tmp_path / "r", rows=False)
+    records.save_run(tmp_path / "r", {**record, "rows": {"epoch": 1}})
+    with pytest.raises(RunConflict, match=r"already holds a failed run with other parameters "
+                                          r"\(epochs: 2 there vs 1 now\); nothing was changed"):
         lab.notebook.decide(tmp_path / "r", resolved, "never")
