@@ -367,7 +367,9 @@ class Lifecycle:
         # A run (or checkpoint) from before data was declared holds none: nothing to compare.
         if saved is None or self.data is None:
             return
-        detail = _differences(dict(_leaves("", saved)), dict(_leaves("", self.data)), "; ")
+        # Likewise a part declared since (CfC's vega series): compared only when it was saved.
+        now = {key: value for key, value in self.data.items() if key in saved}
+        detail = _differences(dict(_leaves("", saved)), dict(_leaves("", now)), "; ")
         if detail and finished:  # nothing to resume: the run is done, on the data it had
             raise CheckpointError(
                 f"{self.out} holds a {finished} run whose data changed since ({detail}); "

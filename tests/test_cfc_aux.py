@@ -704,7 +704,28 @@ def test_record_holds_the_split_the_loader_made():
     assert any("val_fraction=0.2 cannot be honoured" in m for m in messages), messages
     assert any("batch_size=32 is more than the 2 training examples" in m for m in messages)
     # GOOG's 68 months at the default window, seq_len and horizons: the clamp gives 2 / 4.
-    assert record["data"] == {"split": {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}}
+    assert record["data"]["split"] == {"n_train": 2, "n_val": 4, "val_fraction": 4 / 6}
+
+
+def test_a_vega_run_records_the_series_and_notices_a_change(tmp_path, monkeypatch):
+    # The bundled series has no file path to hash: a changed vega_datasets went unnoticed.
+    import hashlib
+
+    from lab.data import prices
+    from lab.data.identity import changed_files
+
+    goog = prices.vega_prices("GOOG")
+    config = CfCAuxConfig(source="vega", symbol="GOOG", steps=2, eval_every=0, progress=False,
+                          threads=1, device="cpu", batch_size=2)
+    record = train_cfc_aux(config, tmp_path / "run")
+    assert record["data"]["vega"] == {
+        "vega": "GOOG", "length": 68,
+        "sha256": hashlib.sha256(np.asarray(goog, dtype=np.float64).tobytes()).hexdigest()}
+    assert changed_files(record["data"]) == []
+    monkeypatch.setattr(prices, "vega_prices", lambda symbol: goog * 1.01)
+    assert changed_files(record["data"]) == ["vega_datasets stocks (GOOG): other prices (sha256)"]
+    monkeypatch.setattr(prices, "vega_prices", lambda symbol: goog[:-1])
+    assert changed_files(record["data"]) == ["vega_datasets stocks (GOOG): 68 months then, 67 now"]
 
 
 def test_seed_is_bounded_by_what_torch_accepts():

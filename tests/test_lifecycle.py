@@ -352,6 +352,19 @@ def test_a_checkpoint_without_data_resumes_under_a_trainer_that_declares_it(tmp_
         assert life.start() == 10
 
 
+def test_a_part_of_the_data_declared_since_is_not_a_change(tmp_path):
+    # CfC runs began recording the vega series' hash later: an older run resumes, while a
+    # part it did record is still compared.
+    then = {"split": {"n_val": 4}}
+    _half_run(tmp_path / "r", then)
+    now = {"split": {"n_val": 4}, "vega": {"vega": "all", "length": 123, "sha256": "cc"}}
+    with _life(tmp_path / "r", now) as life:
+        assert life.start() == 10
+    _half_run(tmp_path / "s", then)
+    with pytest.raises(CheckpointError, match=r"other data \(split.n_val: 4 there vs 5 now\)"):
+        _life(tmp_path / "s", {**now, "split": {"n_val": 5}}).start()
+
+
 def test_train_wall_time_is_summed_over_sessions_up_to_the_last_row(tmp_path):
     with _life(tmp_path / "r", None, steps=10) as life:
         life.start()

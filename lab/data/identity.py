@@ -50,6 +50,9 @@ def changed_files(data) -> list[str]:
             if {"dataset", "dir", "sha256"} <= set(node):
                 changes.extend(_dataset_changes(node))
                 return
+            if {"vega", "length", "sha256"} <= set(node):
+                changes.extend(_vega_changes(node))
+                return
             if {"path", "size", "sha256"} <= set(node):
                 path = Path(node["path"])
                 if not path.is_file():
@@ -76,3 +79,18 @@ def _dataset_changes(node: dict) -> list[str]:
     except DataError as err:
         return [f"{where}: cannot be read now ({err})"]
     return [] if now["sha256"] == node["sha256"] else [f"{where}: other content (sha256)"]
+
+
+def _vega_changes(node: dict) -> list[str]:
+    # The vega series bundled in vega_datasets (lab.data.prices.vega_identity): read it again.
+    from lab.data import DataError
+    from lab.data.prices import vega_identity
+
+    where = f"vega_datasets stocks ({node['vega']})"
+    try:
+        now = vega_identity(node["vega"])
+    except (DataError, ImportError) as err:
+        return [f"{where}: cannot be read now ({err})"]
+    if now["length"] != node["length"]:
+        return [f"{where}: {node['length']} months then, {now['length']} now"]
+    return [] if now["sha256"] == node["sha256"] else [f"{where}: other prices (sha256)"]

@@ -74,6 +74,17 @@ def vega_prices(symbol: str = DEFAULT_SYMBOL) -> np.ndarray:
     return frame["price"].to_numpy(dtype=np.float64)
 
 
+def vega_identity(symbol: str) -> dict:
+    """What identifies the bundled vega series a run reads (no file path to hash: the data
+    lives inside the installed vega_datasets): the symbol, its months and the sha256 of the
+    prices as read (float64), so a changed vega_datasets is noticed on resume and after."""
+    from .identity import sha256_bytes
+
+    prices = np.ascontiguousarray(vega_prices(symbol), dtype=np.float64)
+    return {"vega": symbol, "length": int(prices.shape[-1]),
+            "sha256": sha256_bytes(prices.tobytes())}
+
+
 def csv_prices(path: str | Path, column: str) -> np.ndarray:
     """The column ``column`` of the CSV file ``path``, in file order (oldest first)."""
     import pandas as pd

@@ -67,6 +67,7 @@ from ..data.prices import (
     check_horizons,
     csv_prices,
     synthetic_prices,
+    vega_identity,
     vega_prices,
 )
 from ..device import check_threads, configure_process, resolve_device, seeded, sync
@@ -200,11 +201,14 @@ def load_prices(config: CfCAuxConfig):
 
 def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader) -> dict:
     """What identifies a run's data (``record["data"]``, checked on resume): the CSV file's
-    path, size and hash (vega and synthetic series are fixed by the package and the config)
-    and the split the loader actually made (the clamp can move it off ``val_fraction``)."""
+    path, size and hash; the bundled vega series' symbol, length and hash (vega_datasets may
+    change under an installed run); a synthetic series is fixed by the config; and the split
+    the loader actually made (the clamp can move it off ``val_fraction``)."""
     identity = {"split": data.split_sizes()}
     if config.source == "csv":
         identity["csv"] = file_identity(config.csv_path)
+    elif config.source == "vega":
+        identity["vega"] = vega_identity(config.symbol)
     return identity
 
 
