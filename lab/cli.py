@@ -17,7 +17,8 @@ Exit status: 0 when everything asked for completed, 1 when a run failed (or
 diverged, for train/run), was held by another process or could not be read,
 or (sweep) was left alone as stale, 2 for bad input (unknown parameter or bad
 value, bad protocol or parameter file, a run directory holding other
-parameters given to train/run, an unwritable directory).
+parameters given to train/run, an unwritable directory, a blank --out, an --out
+inside another run's directory or one that already holds run directories).
 """
 
 from __future__ import annotations
@@ -148,9 +149,11 @@ def _train(args) -> int:
     try:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
         config.preflight()
-        runlock.check_run_dir(out, "--out")
-        resolved = Resolved({}, as_dict(config), full=True)
-        decision, state = decide(out, resolved, _replace(args.force))
+        runlock.check_run_dir(args.out, "--out")  # (the text: a blank --out is refused)
+        # With the kind, a run another trainer made is refused in one line, not a diff of
+        # every field.
+        resolved = Resolved({}, as_dict(config), full=True, kind=ConvConfig.KIND)
+        decision, state = decide(out, resolved, _replace(args.force), maker="`lab train`")
     except ConfigError as exc:
         return _error(exc)
     except RunLocked as exc:
@@ -184,7 +187,7 @@ def _run(args) -> int:
 
     try:
         params = collect_params(args.param, args.file)
-        runlock.check_run_dir(Path(args.out), "--out")
+        runlock.check_run_dir(args.out, "--out")
         result = execute(args.notebook, args.out, params, replace=_replace(args.force))
     except KeyboardInterrupt:
         return _interrupted(args.out)
@@ -202,7 +205,11 @@ def _run(args) -> int:
         return 0 if result.status == "complete" else 1
     if result.moved_aside:
         print(f"the old run is kept in {result.moved_aside}")
-    print(f"{result.run_id}: {result.status} in {result.wall_s:.1f} s -> {result.notebook}")
+    where = result.notebook
+    if result.moved_away:  # the old path is gone (or another directory): say where it is
+        where = (f"{result.notebook} (the run directory moved there; resume it there)"
+                 if result.moved_to else f"{args.out} (the run directory was moved or deleted)")
+    print(f"{result.run_id}: {result.status} in {result.wall_s:.1f} s -> {where}")
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
     values = {k: v for k, v in result.values.items() if not isinstance(v, dict | list)}
@@ -339,8 +346,14 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     runs, unreadable = _run_rows(dirs)
     runs = _with_starting(runs, root, expected)
     if expected is not None:
-        runs = mark_stale(runs, specs, stale_runs(protocol))  # the whole check: defaults too
+        # stale_runs is keyed by directory (<out>/<run_id>); a record's own run_id may name
+        # another (run directories swapped or copied), so each row is marked for the
+        # directory it shows, then given its record's run_id back.
+        ids = runs["run_id"]
+        runs = mark_stale(runs.assign(run_id=[Path(p).name for p in runs["path"]]), specs,
+                          stale_runs(protocol))  # the whole check: defaults too
         found = set(runs["run_id"]) | {d.name for d, _ in unreadable}
+        runs = runs.assign(run_id=ids)
         missing = [rid for rid in expected if rid not in found]
         runs = pd.concat([runs, pd.DataFrame({"run_id": missing, "status": "missing",
                                               "path": [str(root / m) for m in missing]})],
@@ -406,10 +419,14 @@ def _report_lock(out: Path, base: str):
     (they would delete each other's pending notebook), then makes its own."""
     from filelock import FileLock, Timeout
 
-    out.mkdir(parents=True, exist_ok=True)
     lock = FileLock(out / f".{base}.report.lock")
     try:
+        out.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
+    except PermissionError as err:  # made read-only after the check, or refused anyway
+        where = err.filename or out
+        raise ConfigError(f"--out {out}: {where} is not writable ({err.strerror}); choose a "
+                          "directory you can write to") from None
     except Timeout:
         print(f"waiting for another `lab report` writing {out / base} to finish",
               file=sys.stderr)
@@ -444,6 +461,9 @@ def _report(args) -> int:
 
     try:
         protocol = load_protocol(args.protocol, configs=False)  # reads runs, makes none
+        # Before anything is read or run: a report that cannot be written is a bad --out
+        # (the lock and mkdir below turn a later refusal into the same line).
+        runlock.check_writable_dir(args.out, "--out", "the reports")
         notebook = args.notebook or protocol.report
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "

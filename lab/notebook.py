@@ -162,6 +162,8 @@ def _read(path) -> nbformat.NotebookNode:
     import nbformat
 
     path = Path(path)
+    if path.is_dir():
+        raise NotebookError(f"notebook {path} is a directory; give the notebook (.ipynb)")
     if not path.is_file():
         raise NotebookError(f"notebook {path} does not exist")
     try:
@@ -570,6 +572,10 @@ class RunResult:
     wall_s: float
     skipped: bool = False  # already finished with these parameters: nothing was executed
     moved_aside: Path | None = None  # where a replaced old run was kept
+    # The run directory was renamed or deleted mid-run (the run stopped): out_dir and
+    # notebook then name where it is now, when the OS could tell (moved_to), else the old path.
+    moved_away: bool = False
+    moved_to: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -798,10 +804,11 @@ def _article(word: str) -> str:
 
 
 def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
-            ) -> tuple[str, runlock.RunState]:
+           maker: str = "this notebook") -> tuple[str, runlock.RunState]:
     """What to do with ``out``: "execute" (fresh, or resume an interrupted or
     failed run of the same config), "done" (finished with the same config) or
-    "replace" (move the old run aside first). RunLocked / RunConflict otherwise."""
+    "replace" (move the old run aside first). RunLocked / RunConflict otherwise.
+    ``maker`` names what would make the run, in the refusal of another kind's run."""
     state = runlock.inspect(out, locked=locked)
     if state.status == "running":
         raise runlock.RunLocked(out, state.pid)
@@ -814,7 +821,7 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             and replace == "never":
         # Another trainer's run: every field would differ, and the diff would hide why.
         raise RunConflict(
-            f"{out} holds {_article(there)} {there} run; this notebook makes {resolved.kind} "
+            f"{out} holds {_article(there)} {there} run; {maker} makes {resolved.kind} "
             "runs: give it another --out (or out_dir; another `out` for a sweep); nothing was "
             "changed", "stale")
     else:
@@ -941,9 +948,12 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
             lock.check_in_place()
         except runlock.RunMoved as err:
             # Any write by the old path would make a second, unlocked run there; what the
-            # trainer saved is in the moved directory, resumable from there.
-            return RunResult(run_id, out, target, "failed", str(err), {},
-                             time.perf_counter() - start, moved_aside=moved)
+            # trainer saved is in the moved directory, resumable from there, so the result
+            # names where the run is now (the old path is gone, or another directory).
+            now = Path(err.now) if err.now else None
+            return RunResult(run_id, now or out, (now or out) / OUTPUT_NOTEBOOK, "failed",
+                             str(err), {}, time.perf_counter() - start, moved_aside=moved,
+                             moved_away=True, moved_to=now)
     # Writing the outcome down can itself fail (a directory made read-only mid-run):
     # then the error that ended the run is reported first, the failed write after it.
     try:

@@ -24,6 +24,9 @@ to the child; :func:`hold` in the child then does not try to lock again.
 :func:`inspect` tells what a run directory holds from its record.json (the
 single source of a run's status) and its lock, without writing anything;
 :func:`move_aside` keeps an old run under a new name instead of deleting it.
+:func:`check_run_dir` (a run) and :func:`check_runs_dir` (a sweep's directory of runs)
+refuse, before anything is made, a directory that cannot be written or that would mix
+one run into another (a blank path, a run inside a run, a run over a directory of runs).
 """
 
 from __future__ import annotations
@@ -59,7 +62,12 @@ class RunLocked(RuntimeError):
 
 
 class RunMoved(OSError):
-    """The run directory was renamed or deleted while a process worked in it."""
+    """The run directory was renamed or deleted while a process worked in it; ``now`` is
+    where it is now (None when the OS cannot tell, or it was deleted)."""
+
+    def __init__(self, message: str, now: str | None = None):
+        super().__init__(message)
+        self.now = now
 
 
 class DirWatch:
@@ -101,7 +109,7 @@ class DirWatch:
                 if now else "")
         raise RunMoved(f"run directory {self.path} {where} while the run worked in it; "
                        f"stopped without writing to {self.path}, so the run is not split in "
-                       f"two.{kept}")
+                       f"two.{kept}", now)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -161,22 +169,91 @@ class RunLock:
         self.release()
 
 
-def check_run_dir(out: Path, name: str = "out_dir") -> None:
-    """Refuse a run directory that cannot be created or written, before anything runs;
-    ``name`` is what the caller calls it (``--out``, ``out_dir``)."""
+RECORD_FILE = "record.json"  # records.RECORD_FILE (records imports pandas; this stays light)
+
+
+def check_writable_dir(out, name: str, purpose: str = "the run") -> None:
+    """Refuse a directory that cannot be created or written, before anything runs;
+    ``name`` is what the caller calls it (``--out``, ``out_dir``), ``purpose`` what the
+    directory is for ("the run", "the reports")."""
     out = Path(out)
+    what = f"{purpose} directory"
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"{name} {out} is a file; give a directory for the run")
+        raise ConfigError(f"{name} {out} is a file; give a directory for {purpose}")
     existing = out
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"{name} {out}: {existing} is a file, so the run directory cannot "
+        raise ConfigError(f"{name} {out}: {existing} is a file, so {what} cannot "
                           "be made there; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "the run directory" if existing == out else f"{existing}, where it would be made,"
-        raise ConfigError(f"{name} {out}: {what} is not writable; choose a directory you can "
+        where = what if existing == out else f"{existing}, where it would be made,"
+        raise ConfigError(f"{name} {out}: {where} is not writable; choose a directory you can "
                           "write to")
+
+
+def check_run_dir(out, name: str = "out_dir") -> None:
+    """Refuse a run directory that cannot be created or written, or that would mix runs,
+    before anything runs; ``name`` is what the caller calls it (``--out``, ``out_dir``).
+
+    A blank path (which would mean the working directory) is refused, as a protocol's
+    blank ``out`` is. So is a directory inside another run's directory (that run would
+    list it as its own and ``--force`` would move it aside with it), and one that already
+    holds run directories (a directory of runs, such as a sweep's ``out``, is no run).
+    The cost is one stat per ancestor and one listing of ``out``: no walk of a tree.
+    """
+    if isinstance(out, str) and not out.strip():
+        raise ConfigError(f"{name} {out!r} is blank, which would mean the working directory; "
+                          f"give the run directory (e.g. {name} runs/my-run)")
+    check_writable_dir(out, name)
+    here = Path(out).expanduser().resolve()
+    for parent in here.parents:
+        if (parent / RECORD_FILE).is_file():
+            raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so the "
+                              f"new run would be nested in that run (listed and moved aside "
+                              f"with it); choose a directory outside {parent}")
+    held = _a_run_inside(here) if here.is_dir() else None
+    if held is not None:
+        raise ConfigError(f"{name} {out} already holds run directories (e.g. {held}), so it "
+                          f"is a directory of runs, not a run; give a new directory for the "
+                          f"run (e.g. {name} {Path(out) / 'my-run'})")
+
+
+def check_runs_dir(out, name: str = "out") -> None:
+    """Refuse a directory of runs (a sweep's ``out``) that cannot be created or written,
+    lies inside a run's directory, or is itself a run's directory; the runs it already
+    holds are its own. Same cost as :func:`check_run_dir`."""
+    if isinstance(out, str) and not out.strip():
+        raise ConfigError(f"{name} {out!r} is blank, which would mean the working directory; "
+                          f"give the directory for the runs (e.g. {name} runs/my-sweep)")
+    check_writable_dir(out, name, "the runs")
+    here = Path(out).expanduser().resolve()
+    if (here / RECORD_FILE).is_file():
+        raise ConfigError(f"{name} {out} is a run's directory (it holds a {RECORD_FILE}), not "
+                          "a directory of runs; choose a directory outside it")
+    for parent in here.parents:
+        if (parent / RECORD_FILE).is_file():
+            raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so its "
+                              f"runs would be nested in that run (listed and moved aside with "
+                              f"it); choose a directory outside {parent}")
+
+
+def _a_run_inside(directory: Path) -> str | None:
+    """The name of one run directory directly inside ``directory`` (it holds a record, or
+    a live process holds its lock before the first record), or None."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError:  # unreadable: check_writable_dir has said what it can
+        return None
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if not entry.is_dir():
+                continue
+            child = Path(entry.path)
+            if (child / RECORD_FILE).is_file() or \
+                    ((child / LOCK_FILE).is_file() and holder(child) is not None):
+                return entry.name
+    return None
 
 
 # Why flock with a shared/exclusive split, and not fcntl's F_GETLK (which tests a lock

@@ -809,3 +809,162 @@ def test_quoted_tilde_paths_are_expanded(tmp_path, monkeypatch, capsys):
     err = _one_paragraph(capsys.readouterr().err)
     assert str(tmp_path / "home" / "nb.ipynb") in err, err
     assert not (tmp_path / "cwd" / "~").exists() and not (tmp_path / "home" / "runs" / "e").exists()
+
+
+# ---------------------------------------------------------------------------
+# trial 9 (cli): kinds, unwritable reports, blank and nested --out, swapped runs, messages
+
+
+def _summary_protocol(tmp_path: Path) -> str:
+    fixture = tmp_path / "summary"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "summary", fixture)
+    text = (fixture / "protocol.yaml").read_text().replace(
+        "../../../notebooks/01-train-conv.ipynb", str(TRAIN))
+    (fixture / "protocol.yaml").write_text(
+        f"{text}report: {ROOT / 'notebooks' / '10-summary.ipynb'}\n")
+    return str(fixture / "protocol.yaml")
+
+
+@pytest.mark.parametrize("kind", ["cfc_aux", "ep"])
+def test_train_on_another_trainers_run_is_one_line_naming_both_kinds(
+        tiny, tmp_path, capsys, no_kernel, kind):
+    out = tmp_path / "other"
+    record = records.new_record(run_id="other", kind=kind, config={"steps": 40})
+    record["status"] = "complete"
+    records.save_run(out, record)
+    before = _files(out)
+    args = [a for k, v in tiny.items() for a in ("-p", k, str(v))]
+    assert cli_main(["train", "--out", str(out), *args]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    article = "an" if kind == "ep" else "a"
+    assert f"{out} holds {article} {kind} run; `lab train` makes conv runs: give it another " \
+           "--out" in err
+    assert "there vs" not in err  # not a diff of every field
+    assert _files(out) == before
+
+
+def test_report_into_an_unwritable_out_is_one_line_before_anything_runs(
+        tmp_path, capsys, no_kernel, monkeypatch):
+    protocol = _summary_protocol(tmp_path)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    # Root may write anywhere: what os.access says about ro is what is exercised.
+    monkeypatch.setattr(runlock.os, "access", lambda path, mode: False if
+                        Path(path) == ro else real(path, mode))
+    assert cli_main(["report", protocol, "--out", str(ro)]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"--out {ro}: the reports directory is not writable; choose a directory you can " \
+           "write to" in err
+    assert cli_main(["report", protocol, "--out", str(ro / "rep")]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"--out {ro / 'rep'}: {ro}, where it would be made, is not writable" in err
+    assert list(ro.iterdir()) == []
+
+
+@pytest.mark.parametrize("fails", ["mkdir", "lock"])
+def test_report_permission_error_from_the_lock_or_mkdir_is_one_line(
+        tmp_path, capsys, no_kernel, monkeypatch, fails):
+    # The directory passes the check, then refuses the write (e.g. chattr +i as root).
+    protocol = _summary_protocol(tmp_path)
+    out = tmp_path / "reports"
+    denied = out if fails == "mkdir" else out / ".fixture.report.lock"
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(denied))
+
+    if fails == "mkdir":
+        real = Path.mkdir
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: refuse() if self == out
+                            else real(self, *a, **k))
+    else:
+        monkeypatch.setattr(__import__("filelock").FileLock, "acquire", refuse)
+    assert cli_main(["report", protocol, "--out", str(out)]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"--out {out}: {denied} is not writable (Operation not permitted); choose a " \
+           "directory you can write to" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["train"], ["run", str(ECHO)]])
+def test_a_blank_out_is_refused_not_the_working_directory(tmp_path, capsys, no_kernel,
+                                                          monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    for blank in ("", "  "):
+        assert cli_main([*command, "--out", blank]) == 2
+        err = _one_paragraph(capsys.readouterr().err)
+        assert f"--out {blank!r} is blank, which would mean the working directory; give the " \
+               "run directory" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["train"], ["run", str(ECHO)]])
+def test_an_out_nested_in_a_run_or_holding_runs_is_refused(tmp_path, capsys, no_kernel,
+                                                           command):
+    _record(tmp_path / "t1", "complete")
+    _record(tmp_path / "sweep" / "a", "complete")
+    before = _files(tmp_path)
+    for inner in (tmp_path / "t1" / "rows" / "epoch", tmp_path / "t1" / "sub"):
+        assert cli_main([*command, "--out", str(inner)]) == 2
+        err = _one_paragraph(capsys.readouterr().err)
+        assert f"--out {inner} lies inside the run directory {tmp_path / 't1'}, so the new " \
+               "run would be nested in that run" in err
+    assert cli_main([*command, "--out", str(tmp_path / "sweep")]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"--out {tmp_path / 'sweep'} already holds run directories (e.g. a), so it is a " \
+           "directory of runs, not a run" in err
+    assert _files(tmp_path) == before
+    # A listing of the outer runs still shows each once (records.load_runs untouched).
+    assert list(records.load_runs(tmp_path)["run_id"]) == ["a", "t1"]
+
+
+def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
+    protocol = _summary_protocol(tmp_path)
+    runs = Path(protocol).parent / "runs"
+    a, b = runs / "lr-0.05_rule-bp_seed-0", runs / "lr-0.05_rule-bp_seed-1"
+    a.rename(runs / "tmp")
+    b.rename(a)
+    (runs / "tmp").rename(b)
+    table, unreadable = runs_table(protocol)
+    assert not unreadable
+    rows = {d: (rid, status, error) for d, rid, status, error in
+            zip(table["dir"], table["run_id"], table["status"], table["error"])}
+    # Directory seed-1 holds the seed-0 run: seed 0 there, 1 asked there now.
+    assert rows[b.name][:2] == ("lr-0.05_rule-bp_seed-0", "stale")
+    assert "(seed: 0 there vs 1 now" in rows[b.name][2]
+    assert rows[a.name][:2] == ("lr-0.05_rule-bp_seed-1", "stale")
+    assert "(seed: 1 there vs 0 now" in rows[a.name][2]
+    assert [rows[d][1] for d in ("lr-0.2_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1")] == \
+        ["complete", "complete"]
+    assert "missing" not in set(table["status"])
+
+
+def test_run_given_a_directory_as_notebook_says_it_is_one(tmp_path, capsys, no_kernel):
+    assert cli_main(["run", str(ROOT / "notebooks"), "--out", str(tmp_path / "x")]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"notebook {ROOT / 'notebooks'} is a directory; give the notebook (.ipynb)" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("how", ["renamed", "deleted"])
+def test_a_run_dir_moved_mid_run_is_named_where_it_is_now(tmp_path, capsys, monkeypatch, how):
+    out, moved = tmp_path / "m1", tmp_path / "m1-moved"
+
+    def papermill(notebook, target, *args, **kwargs):  # the user's `mv` while it trains
+        if how == "renamed":
+            Path(target).parent.rename(moved)
+        else:
+            shutil.rmtree(Path(target).parent)
+
+    monkeypatch.setattr(lab.notebook, "_papermill", papermill)
+    assert cli_main(["run", str(ECHO), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    summary = captured.out.strip().splitlines()[-1]
+    assert str(out / "notebook.ipynb") not in summary
+    if how == "renamed":
+        assert summary.endswith(f"-> {moved / 'notebook.ipynb'} (the run directory moved "
+                                "there; resume it there)")
+    else:
+        assert summary.endswith(f"-> {out} (the run directory was moved or deleted)")
+    assert "while the run worked in it" in captured.err
+    assert not out.exists()

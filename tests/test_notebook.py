@@ -669,3 +669,26 @@ def test_a_failed_run_that_never_trained_gives_way_to_corrected_parameters(tiny,
     with pytest.raises(RunConflict, match=r"already holds a failed run with other parameters "
                                           r"\(epochs: 2 there vs 1 now\); nothing was changed"):
         lab.notebook.decide(tmp_path / "r", resolved, "never")
+
+
+def test_a_directory_given_as_notebook_is_named_a_directory(tmp_path):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    with pytest.raises(NotebookError, match=rf"notebook {folder} is a directory; give the "
+                                            r"notebook \(\.ipynb\)"):
+        execute(folder, tmp_path / "out")
+    with pytest.raises(NotebookError, match=rf"notebook {tmp_path / 'no.ipynb'} does not exist"):
+        execute(tmp_path / "no.ipynb", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_decide_names_what_would_make_the_run(tmp_path):
+    run = tmp_path / "ep-run"
+    record = records.new_record(run_id="ep-run", kind="ep", config={})
+    record["status"] = "complete"
+    records.save_run(run, record)
+    resolved = resolve_parameters(TRAIN, {"width": 3})
+    with pytest.raises(RunConflict, match=rf"{run} holds an ep run; `lab train` makes conv runs"):
+        lab.notebook.decide(run, resolved, "never", maker="`lab train`")
+    with pytest.raises(RunConflict, match="holds an ep run; this notebook makes conv runs"):
+        lab.notebook.decide(run, resolved, "never")

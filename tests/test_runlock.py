@@ -282,3 +282,66 @@ def test_a_renamed_or_deleted_run_directory_is_noticed(tmp_path):
     with pytest.raises(runlock.RunMoved, match=f"run directory {new} was moved or deleted while "):
         watch.check()
     watch.close()
+
+
+def test_check_run_dir_refuses_a_blank_path_a_nested_run_and_a_directory_of_runs(tmp_path):
+    from lab.config import ConfigError
+
+    assert runlock.RECORD_FILE == records.RECORD_FILE
+    for blank in ("", " "):
+        with pytest.raises(ConfigError, match=rf"out_dir {blank!r} is blank, which would mean "
+                                              "the working directory"):
+            runlock.check_run_dir(blank)
+    run = tmp_path / "run"
+    records.save_run(run, records.new_record(run_id="run", kind="notebook", config={}))
+    runlock.check_run_dir(run)  # the run's own directory: deciding about it is not nesting
+    runlock.check_run_dir(tmp_path / "beside")
+    for inner in (run / "sub", run / "rows" / "epoch", run / "a" / "b" / "c"):
+        with pytest.raises(ConfigError, match=rf"out_dir {inner} lies inside the run "
+                                              rf"directory {run}, so"):
+            runlock.check_run_dir(inner)
+    with pytest.raises(ConfigError, match=rf"out_dir {tmp_path} already holds run directories "
+                                          r"\(e.g. run\)"):
+        runlock.check_run_dir(tmp_path)
+    # A run that a live process holds before its first record counts; a lock left by a
+    # dead attempt alone does not.
+    starting = tmp_path / "sweep" / "a"
+    runlock.acquire(starting).release()
+    runlock.check_run_dir(tmp_path / "sweep")
+    with runlock.acquire(starting), \
+            pytest.raises(ConfigError, match=r"already holds run directories \(e.g. a\)"):
+        runlock.check_run_dir(tmp_path / "sweep")
+
+
+def test_run_moved_names_where_the_directory_is_now(tmp_path):
+    old, new = tmp_path / "a", tmp_path / "b"
+    watch = runlock.DirWatch(old.mkdir() or old)
+    old.rename(new)
+    with pytest.raises(runlock.RunMoved) as caught:
+        watch.check()
+    assert caught.value.now == str(new)
+    new.rmdir()
+    with pytest.raises(runlock.RunMoved) as caught:
+        watch.check()
+    assert caught.value.now is None
+    watch.close()
+
+
+def test_check_runs_dir_takes_a_directory_of_runs_but_not_one_inside_a_run(tmp_path):
+    from lab.config import ConfigError
+
+    sweep = tmp_path / "sweep"
+    records.save_run(sweep / "a", records.new_record(run_id="a", kind="notebook", config={}))
+    runlock.check_runs_dir(sweep)  # its own runs are what a sweep's out holds
+    runlock.check_runs_dir(tmp_path / "new" / "sweep")
+    with pytest.raises(ConfigError, match=rf"out {sweep / 'a'} is a run's directory \(it holds "
+                                          r"a record.json\), not a directory of runs"):
+        runlock.check_runs_dir(sweep / "a")
+    with pytest.raises(ConfigError, match=rf"out {sweep / 'a' / 'x'} lies inside the run "
+                                          rf"directory {sweep / 'a'}, so its runs would be"):
+        runlock.check_runs_dir(sweep / "a" / "x")
+    with pytest.raises(ConfigError, match=r"out '' is blank, which would mean the working "):
+        runlock.check_runs_dir("")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"is a file; give a directory for the runs"):
+        runlock.check_runs_dir(tmp_path / "file")
