@@ -10,9 +10,13 @@ analysis; a run whose config differs from its spec (the protocol was edited
 after the sweep) has status ``stale``, which the completeness check refuses.
 
 Grid keys may be dotted (``rule_params.traffic_rule``) and grid values may be
-dicts: :meth:`ProtocolRuns.table` flattens them into one column per leaf
-(``rule_params.traffic_rule``), and :attr:`ProtocolRuns.group_keys` names those
-columns, so summaries and figures group by any grid key.
+dicts: :meth:`ProtocolRuns.table` flattens a key whose values are all dicts with
+the same leaves into one column per leaf (``rule_params.traffic_rule``); any other
+key with a dict among its values (``rule_params: [{}, {feedback_scale: 0.5}]``) is
+one column of the values as the protocol writes them (``{}``,
+``{feedback_scale: 0.5}``), since a column per leaf would be NaN wherever a value
+lacks that leaf. :attr:`ProtocolRuns.group_keys` names those columns, so summaries
+and figures group by any grid key.
 
 A final metric a record holds as None (CfC's ``lift_step`` when the lift never
 fired) is a column of NaN in the runs table, even when no run has a number there.
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from lab import records
 from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
@@ -50,22 +55,64 @@ class ProtocolRuns:
     def group_keys(self) -> list[str]:
         """The grid columns a summary groups by (flattened, see :meth:`table`): all
         but the seed."""
-        columns = dict.fromkeys(name for spec in self.specs for name in _flat(spec.grid))
+        columns = dict.fromkeys(name for spec in self.specs
+                                for name in _grid_columns(spec.grid, self._as_text))
         return sorted(name for name in columns if name != SEED_KEY)
+
+    @property
+    def _as_text(self) -> set[str]:
+        """Grid keys written as one column of text: see :func:`_text_keys`."""
+        return _text_keys(self.protocol.grid)
 
     def check_complete(self, row_metrics=(), final_metrics=()) -> None:
         """:func:`analysis.completeness.check_complete` for this protocol's expected runs."""
         check_complete(self.runs, self.metrics, self.expected_ids, row_metrics, final_metrics)
 
     def table(self) -> pd.DataFrame:
-        """One row per expected run: run_id, its grid values (a dict value flattened
-        into one column per leaf, ``key.leaf``; lists as tuples), status, row
-        count, final.* metrics."""
-        grid = pd.DataFrame([{"run_id": s.run_id, **_flat(s.grid)} for s in self.specs])
+        """One row per expected run: run_id, its grid values (dict values of one shape
+        flattened into one column per leaf, ``key.leaf``, other dict-holding keys as
+        text; lists as tuples), status, row count, final.* metrics."""
+        text = self._as_text
+        grid = pd.DataFrame([{"run_id": s.run_id, **_grid_columns(s.grid, text)}
+                             for s in self.specs])
         keep = ["run_id", "status", "n_rows"] + [
             c for c in self.runs.columns if c.startswith("final.")]
         found = self.runs[[c for c in keep if c in self.runs.columns]]
         return grid.merge(found, on="run_id", how="left")
+
+
+def _text_keys(grid: dict) -> set[str]:
+    """The grid keys whose values contain a dict but are not all dicts of one shape (same
+    leaves): one column per leaf would leave holes (NaN) where a value lacks a leaf and
+    make rows no grid point has, so the key is one column of text instead."""
+    def holds_dict(value) -> bool:
+        return isinstance(value, dict) or (isinstance(value, list)
+                                           and any(map(holds_dict, value)))
+
+    def shape(value) -> frozenset | None:
+        flat = _flat({"": value}) if isinstance(value, dict) and value else None
+        if flat is None or any(isinstance(v, tuple) and any(map(holds_dict, v))
+                               for v in flat.values()):
+            return None  # not flattened: {}, a non-dict, a list of dicts
+        return frozenset(flat)
+
+    return {key for key, values in grid.items() if any(map(holds_dict, values))
+            and (None in {shape(v) for v in values} or len({shape(v) for v in values}) > 1)}
+
+
+def _as_written(value) -> str:
+    """A grid value as compact YAML, as a protocol writes it: ``{}``, ``{scale: 0.5}``."""
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=True, width=10**6)
+    return text.strip().removesuffix("\n...")  # (a bare scalar's end-of-document mark)
+
+
+def _grid_columns(point: dict, text: set[str]) -> dict:
+    """A grid point's table columns: keys in ``text`` as one text column, the rest
+    :func:`_flat`."""
+    out = {}
+    for key, value in point.items():  # (in the grid point's order)
+        out.update({key: _as_written(value)} if key in text else _flat({key: value}))
+    return out
 
 
 def _flat(point: dict, prefix: str = "") -> dict:

@@ -84,8 +84,10 @@ def check_rules_complete(data) -> None:
     ``alignment_every`` that does not divide ``epochs``, is refused, with that advice.
     Measured but NaN is not a gap: the cosine is undefined (a silent layer or
     population, e.g. a collapsed network) and :func:`rules_table` counts such runs.
-    One error lists every gap across the checks.
+    One error lists every gap across the checks. Runs another trainer made (EP, CfC)
+    are a ValueError saying so, not a gap in each run (:func:`check_conv_runs`).
     """
+    check_conv_runs(data, "check_rules_complete")
     problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS,
                              undefined=UNDEFINED)
     with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
@@ -102,6 +104,24 @@ def check_rules_complete(data) -> None:
         raise IncompleteProtocolError(
             f"incomplete data: {len(problems)} problem(s) across {len(data.expected_ids)} "
             f"expected runs (only complete data is summarised):\n{lines}{hint}", problems)
+
+
+def check_conv_runs(data, caller: str = "check_rules_complete") -> None:
+    """Refuse a protocol whose runs another trainer made (an EP or CfC protocol): each
+    would otherwise read as a conv run with its test accuracy and alignment missing, a
+    gap no rerun fills. (A conv run's record says ``kind: conv``; a notebook of one's own
+    that trains nothing says ``notebook``; either is let through.)"""
+    runs = data.runs
+    kinds = sorted({kind for kind in runs["kind"]
+                    if records.another_trainers({"kind": kind}, CONV_KIND)})
+    if kinds:
+        some = ", ".join(runs.loc[runs["kind"] == kinds[0], "run_id"].head(3))
+        raise ValueError(
+            f"{caller}: the protocol {data.protocol.name!r} holds {' and '.join(kinds)} runs "
+            f"(e.g. {some}), not conv runs: the rule comparison (test accuracy, alignment "
+            "with backprop, MAC bill per rule) needs runs of the conv trainer "
+            "(notebooks/01-train-conv.ipynb); summarise these with the analysis notebook "
+            "made for their kind, or 10-summary")
 
 
 def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:
@@ -437,6 +457,7 @@ def rules_table(data) -> pd.DataFrame:
     ``teaching_populations_defined`` say over how many layers / populations the
     cosine is defined (mean over seeds; a collapsed network's teaching mean can be
     one population's). :func:`alignment_note` says it in words."""
+    check_conv_runs(data, "rules_table")
     if "rule" not in data.group_keys:
         raise ValueError(f"rules_table: the protocol {data.protocol.name!r} has no rule in its "
                          f"grid (grid keys: {', '.join(data.group_keys) or 'seed only'}); a "

@@ -22,7 +22,11 @@ a ``report`` that is a directory are refused at load. Every ``fixed`` and
 first part);
 ``out_dir`` is the sweep's to set. When the notebook names its config class
 (``metadata["lab_config"]``), every run of the grid is built into it at load,
-so a bad value or an unknown dotted key is refused before any kernel starts.
+so a bad value or an unknown dotted key is refused before any kernel starts, as
+are grid points that resolve to one config (``weight_decay: [0, 0.0]``, or
+``rule_params: [{}, {feedback_scale: 1.0}]`` where 1.0 is the default): two ids,
+one run. A sweep on a local cluster refuses an ``out`` it cannot make or write
+before Dask starts, and starts no more workers than runs to execute.
 
 An override is applied over ``fixed``, so a fixed dotted key inside a dict an
 override replaces (it would beat the override's leaf) is refused, as is a fixed
@@ -69,6 +73,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import unicodedata
 import uuid
@@ -340,11 +345,15 @@ def _check_runs(protocol: Protocol, spec, preflight: bool = True) -> None:
 
     problems: dict[str, list[str]] = {}
     specs = expand(protocol)
+    same: dict[Any, list[RunSpec]] = {}  # resolved config -> the grid points giving it
     for run in specs:
         try:
-            resolve_parameters(protocol.notebook, run.params, spec, preflight=preflight)
+            resolved = resolve_parameters(protocol.notebook, run.params, spec,
+                                          preflight=preflight)
         except ConfigError as err:
             problems.setdefault(str(err), []).append(run.run_id)
+        else:
+            same.setdefault(_config_key(resolved.asked()), []).append(run)
     if problems:
         n = sum(map(len, problems.values()))
         listed = "; ".join(f"{message} (run{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
@@ -352,6 +361,34 @@ def _check_runs(protocol: Protocol, spec, preflight: bool = True) -> None:
         outcome = "so none was started" if preflight else "so its runs cannot be listed"
         raise ProtocolError(f"protocol {protocol.source}: {n} of {len(specs)} runs have "
                             f"parameters the notebook refuses, {outcome}: {listed}")
+    twins = [runs for runs in same.values() if len(runs) > 1]
+    if twins:
+        # Two ids, one config: both would execute and the report would count one result
+        # twice (0 and 0.0 are one weight decay; {} and a rule's defaults are one rule).
+        listed = "; ".join(" and ".join(f"{json.dumps(run.grid, sort_keys=True)} (run "
+                                        f"{run.run_id})" for run in runs) for runs in twins[:3])
+        more = f" (and {len(twins) - 3} more such groups)" if len(twins) > 3 else ""
+        raise ProtocolError(f"protocol {protocol.source}: grid points resolve to the same "
+                            f"config, so they are the same run twice: {listed}{more}; keep "
+                            "one of each such group of values in the grid")
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` hashable, equal where ``==`` holds (0 and 0.0: one hash, as Python's)."""
+    if isinstance(value, dict):
+        return frozenset((key, _frozen(item)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(map(_frozen, value))
+    return value
+
+
+def _config_key(asked: dict) -> Any:
+    """A resolved config as :func:`lab.notebook.config_differences` compares it (display-
+    only fields aside, ``==`` on each leaf): equal keys mean that a run made with one is
+    "already complete with these parameters" for the other."""
+    from .config import identity
+
+    return _frozen(identity(asked))
 
 
 def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Protocol:
@@ -411,11 +448,13 @@ def _label(value: Any) -> tuple[str, bool]:
     if isinstance(value, dict):
         parts = [(_safe(str(key), _KEY_CHARS), str(key), *_label(item))
                  for key, item in sorted(value.items(), key=lambda kv: str(kv[0]))]
+        # {} has no text at all (`rule_params-` would not name it): the digest names it.
         return (",".join(f"{safe}={slug}" for safe, _, slug, _ in parts),
-                all(safe == key and exact for safe, key, _, exact in parts))
+                bool(parts) and all(safe == key and exact for safe, key, _, exact in parts))
     if isinstance(value, list | tuple):
         labels = [_label(item) for item in value]
-        return "+".join(slug for slug, _ in labels), all(exact for _, exact in labels)
+        return ("+".join(slug for slug, _ in labels),
+                bool(labels) and all(exact for _, exact in labels))
     if value is None:
         return "None", True  # as ids have always read (the string "None" is told apart
         # only when both are in one grid: see _clashing)
@@ -467,8 +506,8 @@ def run_id_for(grid_point: dict, grid: dict | None = None) -> str:
     ``lr-0.001``, ``drift--0.001``, ``rule-kp_traffic``, ``note-α``; null is ``None``).
     Otherwise the kept characters (each other run of characters becomes one ``-``) are
     followed by ``-`` and the first 8 hex digits of the value's sha256, so distinct
-    values give distinct ids: ``a b`` -> ``a-b-<hash>``, an emoji or the empty string
-    -> the hash alone, a string that reads as another type (``"1"``, ``"True"``) ->
+    values give distinct ids: ``a b`` -> ``a-b-<hash>``, an emoji, the empty string,
+    ``{}`` or ``[]`` -> the hash alone, a string that reads as another type (``"1"``, ``"True"``) ->
     ``1-<hash>``. With ``grid`` (key -> all its values, as :func:`expand` passes it),
     values of one key whose ids would be equal ignoring letter case (``b`` and ``B``:
     one directory on macOS) all get the hash too. An id longer than
@@ -729,10 +768,40 @@ def _client(scheduler: str | None, workers: int):
     # notebook at a time, and its kernel's threads are set per run. No dashboard;
     # the scheduler's own HTTP server takes any free port, so two sweeps at once
     # never warn "Port 8787 is already in use".
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
-                      silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
-        yield client
+    with _quiet_when_interrupted() as interrupted, \
+            LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                         dashboard_address=None, scheduler_kwargs={"dashboard_address": ":0"},
+                         silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        try:
+            yield client
+        except (KeyboardInterrupt, SystemExit):
+            interrupted()  # before the cluster's shutdown, which runs as this propagates
+            raise
+
+
+@contextlib.contextmanager
+def _quiet_when_interrupted():
+    """Yield a function that silences distributed's loggers until this context ends.
+
+    Called on Ctrl-C (or SIGTERM's exit) while the cluster inside shuts down: a nanny
+    whose worker died of the same signal may log a CancelledError traceback, which
+    would bury the CLI's one line on how to resume. Otherwise nothing is silenced (a
+    log may tell why a sweep broke), and the levels are restored once the cluster is
+    closed."""
+    saved: dict[logging.Logger, int] = {}
+
+    def silence() -> None:
+        names = ["distributed", *(name for name in logging.root.manager.loggerDict
+                                  if name.startswith("distributed."))]
+        for logger in map(logging.getLogger, names):
+            saved.setdefault(logger, logger.level)
+            logger.setLevel(logging.CRITICAL + 1)
+
+    try:
+        yield silence
+    finally:
+        for logger, level in saved.items():
+            logger.setLevel(level)
 
 
 def _run_params(spec: RunSpec, declared: dict, threads: int) -> dict:
@@ -833,6 +902,8 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
     from .notebook import notebook_spec
 
     start = time.perf_counter()
+    if not scheduler:  # (a cluster's workers write `out` on their shared file system)
+        _check_writable(protocol)
     nb = notebook_spec(protocol.notebook)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
                                 or workers < 1):
@@ -850,6 +921,9 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
                                preflight=not scheduler)
         todo = [spec for spec in specs if outcomes[spec.run_id] is None]
         if todo:
+            if client is None:
+                workers = _local_workers(workers, [_kernel_threads(spec.params, threads)
+                                                   for spec in todo])
             client = client or stack.enter_context(_client(None, workers))
             out = Path(protocol.out)
             replace = "conflicting" if force else "never"
@@ -863,6 +937,37 @@ def run_sweep(protocol: Protocol, scheduler: str | None = None, workers: int | N
             outcomes.update(_collect(futures, out, protocol.name, progress, tqdm))
     return SweepReport(protocol.name, protocol.out, [outcomes[s.run_id] for s in specs],
                        time.perf_counter() - start)
+
+
+def _check_writable(protocol: Protocol) -> None:
+    """Refuse an ``out`` this process cannot make or write, or one inside a run's
+    directory, before Dask starts (each run would otherwise fail alone with a bare
+    PermissionError): ``lab.runlock.check_runs_dir``, in the protocol's name."""
+    from .runlock import check_runs_dir
+
+    try:
+        check_runs_dir(Path(protocol.out), "Protocol.out")
+    except ConfigError as err:
+        raise ProtocolError(f"protocol {protocol.source or protocol.name}: {err}") from None
+
+
+def _local_workers(workers: int, threads: list[int]) -> int:
+    """The local worker processes for runs of ``threads`` kernel threads each: no more
+    than the runs (an idle worker is a process for nothing), said in one line; and a
+    warning when the busy workers' threads exceed this machine's cores (not capped:
+    oversubscribing may be meant, e.g. runs that wait on I/O)."""
+    if workers > len(threads):
+        print(f"{workers} workers asked, {len(threads)} run(s) to execute: starting "
+              f"{len(threads)} worker process(es)", file=sys.stderr)
+        workers = len(threads)
+    busy = sum(sorted(threads, reverse=True)[:workers])  # the most running at once
+    cores = usable_cores()
+    if busy > cores:
+        per = threads[0] if len(set(threads)) == 1 else f"up to {max(threads)}"
+        print(f"warning: {workers} workers x {per} thread(s) per run = {busy} threads on "
+              f"{cores} core(s): the runs will share cores and each go slower (fewer "
+              "--workers or a smaller threads_per_run would fit)", file=sys.stderr)
+    return workers
 
 
 def _kernel_threads(params: dict, threads: int) -> int:

@@ -370,7 +370,9 @@ def test_a_dotted_grid_key_runs_and_summaries_group_by_it(tmp_path):
 
 
 def test_an_empty_dict_grid_value_is_a_group_of_its_own(tmp_path):
-    # rule_params: [{}, {scale: 0.5}]: {} was kept as a dict, which groupby cannot hash.
+    # rule_params: [{}, {scale: 0.5}]: {} was kept as a dict, which groupby cannot hash;
+    # then it was two half-NaN columns (rule_params, rule_params.scale). One column now,
+    # the values as the protocol writes them.
     from analysis.load import ProtocolRuns
     from lab.sweep import Protocol, expand
 
@@ -379,17 +381,51 @@ def test_an_empty_dict_grid_value_is_a_group_of_its_own(tmp_path):
     specs = expand(protocol)
     data = ProtocolRuns(protocol, specs, tmp_path, pd.DataFrame(
         columns=list(records.RUN_COLUMNS)), records.tidy_metrics({"run_id": "none"}))
-    assert data.group_keys == ["rule_params", "rule_params.scale"]
+    assert data.group_keys == ["rule_params"]
     table = data.table()
+    assert list(table.columns[:3]) == ["run_id", "rule_params", "seed"]
+    assert dict(zip(table["run_id"], table["rule_params"])) == {
+        s.run_id: "{}" if not s.grid["rule_params"] else "{scale: 0.5}" for s in specs}
     acc = {s.run_id: (0.1 if s.grid["rule_params"] else 0.5) + 0.2 * s.grid["seed"]
            for s in specs}
     table["final.acc"] = table["run_id"].map(acc)
     summary = summarize(table, data.group_keys, ["final.acc"])
-    assert len(summary) == 2 and list(summary["final.acc/n"]) == [2, 2]
-    defaults = summary[summary["rule_params"] == "{}"]
-    assert defaults["final.acc/mean"].item() == pytest.approx(0.6, abs=1e-12)
-    assert summary[summary["rule_params.scale"] == 0.5]["final.acc/mean"].item() == \
-        pytest.approx(0.2, abs=1e-12)
+    assert list(summary["rule_params"]) == ["{scale: 0.5}", "{}"]
+    assert list(summary["final.acc/n"]) == [2, 2]
+    assert list(summary["final.acc/mean"]) == pytest.approx([0.2, 0.6], abs=1e-12)
+
+
+def test_a_grid_key_of_mixed_dicts_gives_no_phantom_rows_or_nan_labels(tmp_path):
+    # The trial's conv1: rule x rule_params [{}, {feedback_scale: 0.5}] x seed. "Per seed"
+    # showed 8 rows for 4 grid points (half all-NaN) and the bill read rule_params=nan.
+    from analysis import rules as compare
+    from analysis.load import ProtocolRuns
+    from lab.sweep import Protocol, expand
+
+    protocol = Protocol(name="t", notebook="nb", out=str(tmp_path), grid={
+        "rule": ["fa", "kp"], "rule_params": [{}, {"feedback_scale": 0.5}], "seed": [0, 1],
+        "opts": [{"a": 1, "b": [1, 2]}], "dims": [[3], [1, 2]]})
+    specs = expand(protocol)
+    acc = {s.run_id: 0.1 * (1 + (s.grid["rule"] == "kp")) + 0.01 * s.grid["seed"]
+           + (0.05 if s.grid["rule_params"] else 0.0) for s in specs}
+    runs = pd.DataFrame({"run_id": list(acc), "status": "complete", "n_rows": 2,
+                         "final.test_acc": list(acc.values())})
+    data = ProtocolRuns(protocol, specs, tmp_path, runs, records.tidy_metrics({"run_id": "x"}))
+    # Dicts of one shape still flatten (opts.a, opts.b); a list is a tuple as before.
+    assert data.group_keys == ["dims", "opts.a", "opts.b", "rule", "rule_params"]
+    table = data.table()
+    assert not table[data.group_keys].isna().any().any()
+    per_seed = compare.per_seed_table(data, "final.test_acc")
+    assert len(per_seed) == 8 and not per_seed.isna().any().any()  # 2 rules x 2 x 2 dims
+    for (rule, dims, a, b, params), row in per_seed.iterrows():
+        assert (a, b) == (1, (1, 2)) and dims in ((3,), (1, 2))
+        want = [acc[s.run_id] for s in specs if s.grid["rule"] == rule and
+                (s.grid["rule_params"] and "{feedback_scale: 0.5}" or "{}") == params
+                and tuple(s.grid["dims"]) == dims]
+        assert list(row) == pytest.approx(want, abs=1e-12)
+    labels = compare.label_grid_points(table, ["rule", "rule_params"])["rule"]
+    assert set(labels) == {"fa, rule_params={}", "fa, rule_params={feedback_scale: 0.5}",
+                           "kp, rule_params={}", "kp, rule_params={feedback_scale: 0.5}"}
 
 
 def test_dict_grid_values_are_flattened_to_columns(tmp_path):

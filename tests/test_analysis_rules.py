@@ -532,3 +532,22 @@ def test_compute_bill_names_each_run_without_a_bill(tmp_path):
     assert row["total"] > 0
     # The kind a conv run's record carries (analysis imports no torch, so it is written out).
     assert compare.CONV_KIND == ConvConfig.KIND
+
+
+@pytest.mark.parametrize("fixture, kind, first", [
+    ("cfc-aux", "cfc_aux", "aux-lift_seed-0"), ("ep", "ep", "beta-0.1_seed-0")])
+def test_another_trainers_runs_are_named_as_such_not_as_incomplete(fixture, kind, first):
+    # 11-compare-rules on a CfC protocol said "incomplete data ... final field 'test_acc'
+    # missing" once per run: a gap no rerun fills.
+    from analysis import load_protocol_runs
+
+    data = load_protocol_runs(RULES_FIXTURE.parents[1] / fixture / "protocol.yaml")
+    assert set(data.runs["kind"]) == {kind} and len(data.runs) == len(data.expected_ids)
+    for check in (compare.check_rules_complete, compare.rules_table):
+        with pytest.raises(ValueError, match=(
+                rf"^{check.__name__}: the protocol '{fixture}-fixture' holds {kind} runs "
+                rf"\(e.g. {first}, .*\), not conv runs: the rule comparison .* needs runs of "
+                r"the conv trainer \(notebooks/01-train-conv.ipynb\)")) as err:
+            check(data)
+        assert not isinstance(err.value, IncompleteProtocolError)
+    compare.check_rules_complete(_rules_data())  # conv runs pass (the fixture is complete)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -854,3 +855,193 @@ def test_threads_per_run_far_above_the_cores_is_refused_before_any_run(tmp_path,
     # A remote cluster's machines are not this one: no local preflight there.
     specs, outcomes = plan(load_protocol(path), preflight=False)
     assert specs[0].params["threads"] == 64 and outcomes == {"seed-0": None}
+
+
+# ---------------------------------------------------------------------------
+# trial 9 (fix9-sweep): one config, one run; an unwritable out; workers; Ctrl-C
+
+
+@pytest.mark.parametrize("fixed, grid, twins", [
+    ({}, {"weight_decay": [0, 0.0], "seed": [0]},
+     [("seed-0_weight_decay-0", "seed-0_weight_decay-0.0")]),
+    ({}, {"lr": [1, 1.0, 0.5], "seed": [0]}, [("lr-1_seed-0", "lr-1.0_seed-0")]),
+    # {} is fa's defaults, feedback_scale 1.0 among them.
+    ({}, {"rule": ["fa"], "rule_params": [{}, {"feedback_scale": 1.0}], "seed": [0, 1]},
+     [(f"rule-fa_rule_params-{_sha8({})}_seed-{s}",
+       f"rule-fa_rule_params-feedback_scale=1.0_seed-{s}") for s in (0, 1)]),
+    ({"rule": "fa"}, {"rule_params.feedback_scale": [1, 1.0], "seed": [0]},
+     [("rule_params.feedback_scale-1_seed-0", "rule_params.feedback_scale-1.0_seed-0")]),
+])
+def test_grid_points_that_resolve_to_one_config_are_refused(tmp_path, monkeypatch, capsys,
+                                                           fixed, grid, twins):
+    # Two ids, one config: both ran, bit-identical, and the report read them as n=2.
+    monkeypatch.setattr(lab.notebook, "_papermill", lambda *a, **k: pytest.fail("kernel"))
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN), grid=grid,
+                          fixed={"epochs": 2, "n_train": 256, "depth": 8, "width": 4, **fixed})
+    pairs = "; ".join(
+        " and ".join(re.escape(json.dumps(s.grid, sort_keys=True)) + rf" \(run {s.run_id}\)"
+                     for rid in pair for s in expand(load_protocol(path, configs=False))
+                     if s.run_id == rid) for pair in twins)
+    message = (r"grid points resolve to the same config, so they are the same run twice: "
+               + pairs + r"; keep one of each such group of values in the grid$")
+    with pytest.raises(ProtocolError, match=message):
+        load_protocol(path)
+    for command in (["sweep", "-q"], ["runs"]):  # `lab runs` lists what a sweep would make
+        assert cli_main([command[0], str(path), *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err.strip()) and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_grid_points_of_distinct_configs_still_load(tmp_path):
+    # The control: values that differ (0 vs 0.001, {} vs a non-default scale) are runs.
+    path = write_protocol(tmp_path / "p.yaml", notebook=str(TRAIN),
+                          fixed={"epochs": 2, "n_train": 256, "depth": 8, "width": 4},
+                          grid={"rule": ["fa"], "weight_decay": [0, 0.001],
+                                "rule_params": [{}, {"feedback_scale": 0.5}]})
+    assert len(expand(load_protocol(path))) == 4
+    # Without a config class the notebook's declared defaults fill in: 1 and 1.0 are
+    # one run there too (lab.notebook.decide finds either "complete with these parameters").
+    with pytest.raises(ProtocolError, match=r"\{\"opts.scale\": 1\} \(run opts.scale-1\) and "
+                                            r"\{\"opts.scale\": 1.0\} \(run opts.scale-1.0\);"):
+        load_protocol(write_protocol(tmp_path / "e.yaml", grid={"opts.scale": [1, 1.0, 2]}))
+    assert len(expand(load_protocol(write_protocol(tmp_path / "f.yaml",
+                                                   grid={"opts.scale": [1, "1", 2]})))) == 3
+
+
+@pytest.mark.parametrize("value", [{}, []])
+def test_an_empty_dict_or_list_is_named_by_its_digest(value):
+    # Its text is empty: `rule_params-` (trailing dash) named nothing.
+    assert run_id_for({"rule_params": value, "seed": 0}) == \
+        f"rule_params-{_sha8(value)}_seed-0"
+    assert run_id_for({"x": [value]}) == f"x-{_sha8([value])}"
+
+
+def test_an_unwritable_out_is_refused_before_dask_starts(tmp_path, monkeypatch, capsys):
+    import distributed
+
+    monkeypatch.setattr(distributed, "LocalCluster",
+                        lambda *a, **k: pytest.fail("a cluster was started"))
+    path = write_protocol(tmp_path / "p.yaml", out="ro/sweep")
+    load_protocol(path)  # listing or reporting runs only reads them: not refused there
+    # Root may write anywhere, so the check is exercised through what os.access says.
+    monkeypatch.setattr(runlock.os, "access", lambda p, mode: False)
+    (tmp_path / "ro").mkdir()
+    assert cli_main(["sweep", str(path), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: protocol {path}: Protocol.out {tmp_path / 'ro' / 'sweep'}: "
+                   f"{tmp_path / 'ro'}, where it would be made, is not writable; choose a "
+                   "directory you can write to\n")
+    (tmp_path / "ro" / "sweep").mkdir()  # made, but not writable
+    with pytest.raises(ProtocolError, match=r"Protocol.out .*sweep: the runs directory is not "
+                                            r"writable; choose a directory you can write to$"):
+        run_sweep(load_protocol(path), progress=False)
+    assert sorted(p.name for p in (tmp_path / "ro").iterdir()) == ["sweep"]
+    assert not any((tmp_path / "ro" / "sweep").iterdir())
+
+
+def test_an_out_inside_a_run_directory_is_refused_before_dask_starts(tmp_path, monkeypatch):
+    # Its runs would be nested in that run: listed with it, moved aside with it by --force.
+    import distributed
+
+    monkeypatch.setattr(distributed, "LocalCluster",
+                        lambda *a, **k: pytest.fail("a cluster was started"))
+    (tmp_path / "a-run").mkdir()
+    (tmp_path / "a-run" / "record.json").write_text("{}")
+    path = write_protocol(tmp_path / "p.yaml", out="a-run/sweep")
+    with pytest.raises(ProtocolError, match=r"Protocol.out .*a-run/sweep lies inside the run "
+                                            r"directory .*a-run, so its runs would be nested"):
+        run_sweep(load_protocol(path), progress=False)
+    assert not (tmp_path / "a-run" / "sweep").exists()
+
+
+def test_local_workers_are_capped_at_the_runs_and_oversubscription_is_told(monkeypatch,
+                                                                          capsys):
+    import lab.sweep
+
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 2)
+    assert lab.sweep._local_workers(12, [1, 1, 1, 1]) == 4
+    assert capsys.readouterr().err.splitlines() == [
+        "12 workers asked, 4 run(s) to execute: starting 4 worker process(es)",
+        "warning: 4 workers x 1 thread(s) per run = 4 threads on 2 core(s): the runs will "
+        "share cores and each go slower (fewer --workers or a smaller threads_per_run would "
+        "fit)"]
+    assert lab.sweep._local_workers(2, [1, 1, 1, 1]) == 2  # fits: not a word
+    assert capsys.readouterr().err == ""
+    # Not capped by cores (a researcher may mean it); the busiest runs count: 3 + 1 > 2.
+    assert lab.sweep._local_workers(2, [1, 3, 1]) == 2
+    assert "warning: 2 workers x up to 3 thread(s) per run = 4 threads on 2 core(s)" in \
+        capsys.readouterr().err
+    monkeypatch.setattr(lab.sweep, "usable_cores", lambda: 4)
+    assert lab.sweep._local_workers(3, [2, 2]) == 2
+    assert capsys.readouterr().err == \
+        "3 workers asked, 2 run(s) to execute: starting 2 worker process(es)\n"
+
+
+def test_a_sweep_starts_no_more_local_workers_than_runs(tmp_path, monkeypatch):
+    import contextlib
+
+    import lab.sweep
+
+    started = []
+
+    @contextlib.contextmanager
+    def client(scheduler, workers):
+        started.append(workers)
+        raise RuntimeError("stop here")
+        yield  # (a generator)
+
+    monkeypatch.setattr(lab.sweep, "_client", client)
+    path = write_protocol(tmp_path / "p.yaml", threads_per_run=1, grid={"x": [1, 2]})
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_sweep(load_protocol(path), workers=12, progress=False)
+    # The thread count a run is resolved with still follows the workers asked (so a
+    # rerun with fewer runs left does not make the others stale): 1 here, as set.
+    assert started == [2]
+
+
+class _FakeCluster:
+    """A LocalCluster whose shutdown logs what a nanny logs when its worker was killed."""
+
+    seen: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        nanny = logging.getLogger("distributed.nanny")
+        self.seen.append(nanny.isEnabledFor(logging.ERROR))
+        nanny.error("Traceback ... asyncio.exceptions.CancelledError")
+
+
+@pytest.mark.parametrize("raised, quiet", [(KeyboardInterrupt, True), (SystemExit, True),
+                                           (RuntimeError, False), (None, False)])
+def test_distributed_logs_are_quiet_only_while_an_interrupted_cluster_closes(
+        monkeypatch, caplog, raised, quiet):
+    import logging
+
+    import distributed
+
+    import lab.sweep
+
+    monkeypatch.setattr(distributed, "LocalCluster", _FakeCluster)
+    monkeypatch.setattr(distributed, "Client", _FakeCluster)
+    monkeypatch.setattr(_FakeCluster, "seen", [])
+    nanny = logging.getLogger("distributed.nanny")
+    names = ("distributed", "distributed.nanny")
+    with caplog.at_level(logging.ERROR, logger="distributed.nanny"):
+        levels = {name: logging.getLogger(name).level for name in names}
+        with contextlib.suppress(*([raised] if raised else [])), lab.sweep._client(None, 1):
+            if raised:
+                raise raised()
+        # Afterwards (the CLI's one line, the next sweep in a notebook) logs flow again.
+        assert {name: logging.getLogger(name).level for name in names} == levels
+        assert nanny.isEnabledFor(logging.ERROR)
+    logged = [r for r in caplog.records if "CancelledError" in r.getMessage()]
+    assert _FakeCluster.seen == [not quiet, not quiet]  # Client's exit, then the cluster's
+    assert len(logged) == (0 if quiet else 2)
