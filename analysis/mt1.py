@@ -52,7 +52,8 @@ def check_mt1_complete(data) -> None:
     The diagnostics in ``MEASURED`` must be present. They may be NaN only where they
     are undefined (see above): the residual ratio in a run without traffic (every gain
     0) or with silent populations, an alignment in a run with silent populations; the
-    tables then show NaN. A protocol without the ``rule_params.traffic_rule`` grid key
+    tables then average the seeds where it is defined, counting them (``<x>/n`` of
+    ``seeds``), and show NaN where no seed defines it. A protocol without the ``rule_params.traffic_rule`` grid key
     is not MT-1: one ValueError says so, instead of a list of everything such runs lack.
     """
     from .completeness import IncompleteProtocolError, find_problems
@@ -117,7 +118,8 @@ def final_table(data) -> pd.DataFrame:
 
     Beside each ``align_<signal>`` (the mean cosine over the populations where it is
     defined) ``align_<signal>/populations`` says how many populations that is, of
-    ``populations``.
+    ``populations``. Every quantity's mean and std are over the seeds where it is
+    defined; ``<quantity>/n`` says how many of the condition's ``seeds`` that is.
     """
     table = _table(data)
     finals = data.metrics[data.metrics["axis"] == "final"].pivot_table(
@@ -131,9 +133,12 @@ def final_table(data) -> pd.DataFrame:
     for signal in ALIGNED:
         order += [f"align_{signal}", f"align_{signal}/populations"]
     frame = frame[order].join(table.set_index("run_id")[CONDITION])
-    stats = frame.groupby(CONDITION).agg(["mean", "std"])
-    stats.columns = [f"{a}/{b}" for a, b in stats.columns]
-    return stats
+    groups = frame.groupby(CONDITION)
+    # The mean is over the seeds where a value is defined (a NaN residual or alignment is
+    # undefined, not zero): ``<x>/n`` counts them, of ``seeds``, so a partial mean shows.
+    stats = groups.agg(["mean", "std", "count"])
+    stats.columns = [f"{a}/{'n' if b == 'count' else b}" for a, b in stats.columns]
+    return stats.join(groups.size().rename("seeds"))
 
 
 def epoch_frame(data, metric: str) -> pd.DataFrame:

@@ -168,3 +168,21 @@ def test_the_alignment_mean_says_how_many_populations_it_covers(data):
     assert ticks[list(finals.index).index("none")] == "none\n7/7 populations"
     hatched = [bar.get_hatch() for bar in ax.patches]
     assert hatched.count("//") == len(mt1.ALIGNED)  # one raw bar per signal
+
+
+def test_a_quantity_undefined_in_one_seed_is_counted_not_hidden(data):
+    # The mean over the seeds that define it was shown alone, reading as the condition's.
+    finals = data.metrics
+    key = "rule/predictor_residual_ratio"
+    picked = (finals["axis"] == "final") & (finals["metric"] == key) & (
+        finals["run_id"] == INNOVATION1)
+    assert picked.sum() == 1
+    data.metrics = finals.assign(value=finals["value"].mask(picked))
+    table = mt1.final_table(data)
+    other = finals[(finals["axis"] == "final") & (finals["metric"] == key)
+                   & (finals["run_id"] == INNOVATION1.replace("seed-1", "seed-0"))]["value"]
+    row = table.loc["innovation"]
+    assert row["seeds"] == 2 and row["predictor_residual_ratio/n"] == 1
+    assert row["predictor_residual_ratio/mean"] == pytest.approx(float(other.iloc[0]), abs=0)
+    assert row["test_acc/n"] == 2
+    assert (table["seeds"] == table["test_acc/n"]).all()

@@ -913,3 +913,18 @@ def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
     finally:
         RULES.pop("scaled_bp", None)
         sys.modules.pop("readme_rule", None)
+
+
+def test_bp_refuses_a_model_left_with_another_rules_feedback():
+    # make_rule("bp", model) after fa on the same model computed fa's gradients as "bp".
+    from lab.models.layers import local_layers
+    from lab.models.resnet import ResNet
+
+    model = ResNet(depth=8, width=4, dims=1, in_channels=1, n_classes=10)
+    make_rule("fa", model, seed=0)
+    with pytest.raises(ConfigError, match=r"^rule 'bp': the model's layers .* hold another "
+                                          r"rule's feedback tensors, so its backward would not"):
+        make_rule("bp", model)
+    for _, layer in local_layers(model):
+        layer.feedback = None
+    assert make_rule("bp", model).name == "bp"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from ..models.layers import local_layers
 from .base import Rule, StepResult
 from .common import Recorder
@@ -13,6 +14,17 @@ from .registry import register
 @register
 class Backprop(Rule):
     name = "bp"
+
+    def __init__(self, model, params=None, *, seed: int = 0):
+        super().__init__(model, params, seed=seed)
+        # A layer still holding another rule's feedback tensor transports through it:
+        # "bp" would silently be that rule (fa's teaching, billed as backprop).
+        held = [n for n, m in local_layers(model) if getattr(m, "feedback", None) is not None]
+        if held:
+            raise ConfigError(f"rule {self.name!r}: the model's layers {', '.join(held[:3])}"
+                              f"{' ...' if len(held) > 3 else ''} hold another rule's feedback "
+                              "tensors, so its backward would not be backprop; give bp a fresh "
+                              "model (or set each layer's .feedback = None)")
 
     def compute_gradients(self, x, y, step, record=False):
         return autograd_step(self.model, x, y, record)
