@@ -53,8 +53,9 @@ def check_mt1_complete(data) -> None:
     are undefined (see above): the residual ratio in a run without traffic (every gain
     0) or with silent populations, an alignment in a run with silent populations; the
     tables then average the seeds where it is defined, counting them (``<x>/n`` of
-    ``seeds``), and show NaN where no seed defines it. A protocol without the ``rule_params.traffic_rule`` grid key
-    is not MT-1: one ValueError says so, instead of a list of everything such runs lack.
+    ``seeds``), and show NaN where no seed defines it. A protocol without the
+    ``rule_params.traffic_rule`` grid key is not MT-1: one ValueError says so, instead
+    of a list of everything such runs lack.
     """
     from .completeness import IncompleteProtocolError, find_problems
 

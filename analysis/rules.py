@@ -10,6 +10,7 @@ Figures are ``analysis.figures.NotebookFigure`` (no pyplot state).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -244,6 +245,24 @@ def _no_bill(run_id: str, record: dict) -> str | None:
     return f"{run_id!r} ({what}): {lacks}: {why}"
 
 
+def _own_record(runs_dir, run_id: str) -> dict:
+    """Run ``run_id``'s record: from ``<runs_dir>/<run_id>`` when that holds it, else from
+    the one directory of ``runs_dir`` that does (run directories swapped or renamed), as
+    ``load_protocol_runs`` matches runs by their records' ids."""
+    record = records.load_record(f"{runs_dir}/{run_id}", rows=False) \
+        if (Path(runs_dir) / run_id / records.RECORD_FILE).is_file() else None
+    if record is not None and record.get("run_id") == run_id:
+        return record
+    runs = records.load_runs(runs_dir)
+    paths = list(runs.loc[runs["run_id"] == run_id, "path"])
+    if len(paths) != 1:
+        where = ", ".join(map(str, paths)) or "none"
+        raise ValueError(f"compute_bill: run {run_id!r} is not the run in {runs_dir}/{run_id}, "
+                         f"and {len(paths)} directories of {runs_dir} hold it ({where}); "
+                         "give each run its own directory, named by its run id")
+    return records.load_record(paths[0], rows=False)
+
+
 def compute_bill(table: pd.DataFrame, runs_dir, group_keys=("rule",)) -> pd.DataFrame:
     """Per group (default: per rule), MACs per training example by component (mean over
     seeds), and total. With several ``group_keys`` the index has one level per key.
@@ -261,7 +280,7 @@ def compute_bill(table: pd.DataFrame, runs_dir, group_keys=("rule",)) -> pd.Data
     _check_table(table, "compute_bill", ["run_id", *group_keys])
     works, unbilled = [], []
     for run_id in table["run_id"]:
-        record = records.load_record(f"{runs_dir}/{run_id}", rows=False)
+        record = _own_record(runs_dir, run_id)
         reason = _no_bill(run_id, record)
         if reason:
             unbilled.append((run_id, reason))

@@ -463,7 +463,15 @@ def _report(args) -> int:
         protocol = load_protocol(args.protocol, configs=False)  # reads runs, makes none
         # Before anything is read or run: a report that cannot be written is a bad --out
         # (the lock and mkdir below turn a later refusal into the same line).
+        if not str(args.out).strip():
+            raise ConfigError(f"--out {args.out!r} is blank, which would mean the working "
+                              "directory; give the reports directory (default: reports)")
         runlock.check_writable_dir(args.out, "--out", "the reports")
+        here = Path(args.out).resolve()
+        inside = next((p for p in (here, *here.parents) if (p / "record.json").is_file()), None)
+        if inside is not None:  # the report would travel with that run when moved aside
+            raise ConfigError(f"--out {args.out} lies in the run directory {inside}; give a "
+                              "reports directory outside every run (default: reports)")
         notebook = args.notebook or protocol.report
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "

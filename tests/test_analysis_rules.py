@@ -551,3 +551,26 @@ def test_another_trainers_runs_are_named_as_such_not_as_incomplete(fixture, kind
             check(data)
         assert not isinstance(err.value, IncompleteProtocolError)
     compare.check_rules_complete(_rules_data())  # conv runs pass (the fixture is complete)
+
+
+def test_compute_bill_reads_each_run_from_its_own_directory(tmp_path):
+    # Swapped run directories: the table matches runs by their records' ids, but the bill
+    # was read from the directory named like the run: bp billed kp's feedback, and back.
+    import shutil
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(RULES_FIXTURE.parent / "runs", runs_dir)
+    table = _rules_data().table()
+    want = compare.compute_bill(table, runs_dir)
+    (runs_dir / "rule-bp_seed-0").rename(runs_dir / "tmp")
+    (runs_dir / "rule-kp_seed-0").rename(runs_dir / "rule-bp_seed-0")
+    (runs_dir / "tmp").rename(runs_dir / "rule-kp_seed-0")
+    got = compare.compute_bill(table, runs_dir)
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(got, want)
+    assert got.loc["bp", "total"] < got.loc["kp", "total"]
+    shutil.copytree(runs_dir / "rule-kp_seed-0", runs_dir / "another")  # bp's record twice
+    with pytest.raises(ValueError, match=r"compute_bill: run 'rule-bp_seed-0' is not the run in "
+                                         r".*rule-bp_seed-0, and 2 directories of .* hold it"):
+        compare.compute_bill(table, runs_dir)

@@ -838,3 +838,11 @@ def test_a_synthetic_series_too_long_to_hold_is_refused():
                        r"out of range; allowed: \[2, 1000000\]$"):
         CfCAuxConfig(source="synthetic", synthetic_length=10**12)
     assert CfCAuxConfig(source="synthetic", synthetic_length=10**6).synthetic_length == 10**6
+
+
+def test_a_vega_symbol_with_another_source_is_refused():
+    # Ignored by a csv or synthetic run, yet part of its identity.
+    with pytest.raises(ConfigError, match=r"^CfCAuxConfig.symbol='IBM' is read only with "
+                       r"source='vega' \(source is 'synthetic'\); leave it at 'all'"):
+        CfCAuxConfig(source="synthetic", symbol="IBM")
+    assert CfCAuxConfig(source="vega", symbol="IBM").symbol == "IBM"

@@ -862,6 +862,27 @@ def test_report_into_an_unwritable_out_is_one_line_before_anything_runs(
     assert list(ro.iterdir()) == []
 
 
+def test_report_out_blank_or_inside_a_run_is_refused(tmp_path, capsys, no_kernel,
+                                                     monkeypatch):
+    # A blank --out wrote the report into the working directory; one inside a run would be
+    # moved aside with that run.
+    protocol = _summary_protocol(tmp_path)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert cli_main(["report", protocol, "--out", ""]) == 2
+    assert "--out '' is blank, which would mean the working directory" in \
+        _one_paragraph(capsys.readouterr().err)
+    run = tmp_path / "a-run"
+    run.mkdir()
+    (run / "record.json").write_text("{}")
+    for out in (run, run / "rows"):
+        assert cli_main(["report", protocol, "--out", str(out)]) == 2
+        assert f"--out {out} lies in the run directory {run}; give a reports directory " \
+            "outside every run" in _one_paragraph(capsys.readouterr().err)
+    assert sorted(p.name for p in run.iterdir()) == ["record.json"]
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 @pytest.mark.parametrize("fails", ["mkdir", "lock"])
 def test_report_permission_error_from_the_lock_or_mkdir_is_one_line(
         tmp_path, capsys, no_kernel, monkeypatch, fails):

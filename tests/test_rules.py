@@ -819,8 +819,10 @@ def test_register_refuses_what_is_not_a_rule():
     from lab.rules import Rule
     from lab.rules.registry import RULES, register
 
-    def rule(rule_name, params=None):
+    def rule(rule_name, params=None, gradients=True):
         attrs = {"name": rule_name} if params is None else {"name": rule_name, "Params": params}
+        if gradients:
+            attrs["compute_gradients"] = lambda self, x, y, step, record=False: None
         return type("Custom", (Rule,), attrs)
 
     class NotARule:
@@ -837,6 +839,8 @@ def test_register_refuses_what_is_not_a_rule():
         (rule("Fa"), ValueError, r"name='Fa' is not allowed"),
         (rule("fa"), ValueError, r"^rule name 'fa' is already registered, by "
          r"lab.rules.feedback.FeedbackAlignment$"),
+        (rule("fresh_test_rule", gradients=False), TypeError, r"^rule 'fresh_test_rule': "
+         r"Custom does not define compute_gradients \(x, y, step, record=False\)"),
         (rule("fresh_test_rule", dict), TypeError, r"^rule 'fresh_test_rule': Custom.Params="
          r"<class 'dict'> is not a frozen dataclass; declare"),
         (rule("fresh_test_rule", dataclasses.dataclass(Loose)), TypeError,

@@ -112,7 +112,8 @@ class Rule:
         diagnostic call, which must not change the rule's state (no mirror
         or probe updates). ``record`` asks for the teaching signals.
         """
-        raise NotImplementedError
+        raise NotImplementedError(f"rule {self.name!r} ({type(self).__name__}) does not "
+                                  "define compute_gradients")
 
     def prepare(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Run once before the first step of a fresh run (not on resume).

@@ -35,6 +35,10 @@ def register(cls):
     if name in RULES:
         raise ValueError(f"rule name {name!r} is already registered, by "
                          f"{RULES[name].__module__}.{RULES[name].__qualname__}")
+    if cls.compute_gradients is Rule.compute_gradients:
+        raise TypeError(f"rule {name!r}: {cls.__name__} does not define compute_gradients "
+                        "(x, y, step, record=False), which writes .grad for one batch and "
+                        "returns a StepResult; see lab/rules/base.py")
     params = cls.Params
     if not (isinstance(params, type) and dataclasses.is_dataclass(params)
             and params.__dataclass_params__.frozen):

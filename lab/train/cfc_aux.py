@@ -165,6 +165,11 @@ class CfCAuxConfig:
             raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} / column="
                               f"{self.column!r} are read only with source='csv' (source is "
                               f"{self.source!r}); leave them empty or set source='csv'")
+        if self.source != "vega" and self.symbol != DEFAULT_SYMBOL:
+            # It would change nothing but the run's identity (a rerun with it refused).
+            raise ConfigError(f"CfCAuxConfig.symbol={self.symbol!r} is read only with "
+                              f"source='vega' (source is {self.source!r}); leave it at "
+                              f"{DEFAULT_SYMBOL!r} or set source='vega'")
 
     def preflight(self) -> None:
         """What the price series decides, before a run starts (``lab run``, a sweep's
