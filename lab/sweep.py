@@ -576,6 +576,12 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
             continue  # missing or unreadable: reported as such elsewhere
         params = _run_params(spec, nb.declared, _threads(protocol, protocol.workers, record))
         resolved = resolve_parameters(protocol.notebook, params, nb, preflight=False)
+        there = records.another_trainers(record, resolved.kind)
+        if there:  # every field would differ: name the kinds, as lab sweep does
+            article = "an" if there[:1] in "aeiou" else "a"
+            stale[spec.run_id] = (f"it holds {article} {there} run, and the protocol's "
+                                  f"notebook makes {resolved.kind} runs")
+            continue
         # Compared as a sweep's lab.notebook.decide compares (the notebook's own
         # parameters included).
         why = asked_differences(record, resolved)

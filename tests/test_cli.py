@@ -989,3 +989,20 @@ def test_a_run_dir_moved_mid_run_is_named_where_it_is_now(tmp_path, capsys, monk
         assert summary.endswith(f"-> {out} (the run directory was moved or deleted)")
     assert "while the run worked in it" in captured.err
     assert not out.exists()
+
+
+def test_lab_runs_names_another_trainers_run_in_a_protocols_out(tmp_path, capsys):
+    # It listed ~40 fields "there vs now"; lab sweep says it in one line.
+    protocol = _summary_protocol(tmp_path)
+    runs = Path(protocol).parent / "runs"
+    victim = sorted(p for p in runs.iterdir() if (p / "record.json").is_file())[0]
+    record = records.load_record(victim, rows=False)
+    records.write_record(victim, {**record, "kind": "ep"})
+    cli_main(["runs", protocol])
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.lstrip().startswith(victim.name))
+    assert "stale" in line and "(it holds an ep run" in line and "there vs" not in line, out
+    from lab.sweep import load_protocol, stale_runs
+
+    assert stale_runs(load_protocol(protocol))[victim.name] == (
+        "it holds an ep run, and the protocol's notebook makes conv runs")
