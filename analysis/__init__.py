@@ -8,7 +8,7 @@ table, a flag that is not a bool, is an error naming the parameter, the value an
 what is allowed.
 """
 
-from .checks import check_names
+from .checks import check_kind, check_names
 from .completeness import (
     IncompleteProtocolError,
     UnknownFieldError,
@@ -20,7 +20,8 @@ from .load import ProtocolRuns, load_protocol_runs
 from .summary import format_mean_std, summarize
 
 __all__ = [
-    "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "check_names",
+    "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "check_kind",
+    "check_names",
     "curve_bands", "find_problems", "format_mean_std", "learning_curves", "load_protocol_runs",
     "run_curves", "summarize", "UnknownFieldError",
 ]

@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from lab.records import check_flag
+from lab.records import another_trainers, check_flag
 
 # Sequences of names that are taken as lists. A str is a sequence too, which is
 # exactly the mistake refused here.
@@ -88,3 +88,17 @@ def listing(values, limit: int = 12) -> str:
     shown = ", ".join(map(repr, values[:limit]))
     more = f", ... ({len(values) - limit} more)" if len(values) > limit else ""
     return shown + more if values else "none"
+
+
+def check_kind(data, kind: str, caller: str, needs: str) -> None:
+    """Refuse a protocol whose runs another trainer made: a summary written for ``kind``
+    runs would otherwise fail on the first field they lack (a bare KeyError) or call
+    them incomplete. ``needs`` says what the summary reads, for the message."""
+    runs = data.runs
+    kinds = sorted({k for k in runs["kind"] if another_trainers({"kind": k}, kind)})
+    if kinds:
+        some = ", ".join(runs.loc[runs["kind"] == kinds[0], "run_id"].head(3))
+        raise ValueError(
+            f"{caller}: the protocol {data.protocol.name!r} holds {' and '.join(kinds)} runs "
+            f"(e.g. {some}), not {kind} runs: this summary reads {needs}; summarise them "
+            "with the analysis notebook made for their kind, or 10-summary")

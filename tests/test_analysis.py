@@ -1004,3 +1004,20 @@ def test_mt1_lines_log_is_a_bool():
             mt1.lines(frame, "rms", log=value)
     assert mt1.lines(frame, "rms", log=True).axes[0].get_yscale() == "log"
     assert mt1.lines(frame, "rms", log=False).axes[0].get_yscale() == "linear"
+
+
+def test_a_summary_for_one_kind_names_another_trainers_runs():
+    # 20-ep-summary on conv runs died on a bare KeyError 'final.val_loss'.
+    import re
+    from pathlib import Path
+
+    from analysis import check_kind, load_protocol_runs
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    conv = load_protocol_runs(fixtures / "summary" / "protocol.yaml")
+    with pytest.raises(ValueError, match=re.escape(
+            f"20-ep-summary: the protocol {conv.protocol.name!r} holds conv runs (e.g. ")
+            + r".*\), not ep runs: this summary reads EP against its twin; summarise them"):
+        check_kind(conv, "ep", "20-ep-summary", "EP against its twin")
+    check_kind(load_protocol_runs(fixtures / "ep" / "protocol.yaml"), "ep", "x", "y")
+    check_kind(conv, "conv", "x", "y")
