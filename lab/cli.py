@@ -148,12 +148,13 @@ def _train(args) -> int:
     out = Path(args.out).resolve()
     try:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
-        config.preflight()
         runlock.check_run_dir(args.out, "--out")  # (the text: a blank --out is refused)
         # With the kind, a run another trainer made is refused in one line, not a diff of
         # every field.
         resolved = Resolved({}, as_dict(config), full=True, kind=ConvConfig.KIND)
         decision, state = decide(out, resolved, _replace(args.force), maker="`lab train`")
+        if decision != "done":  # after decide: a refused run reads (and caches) no data
+            config.preflight()
     except ConfigError as exc:
         return _error(exc)
     except RunLocked as exc:

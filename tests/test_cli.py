@@ -165,6 +165,13 @@ def test_train_refuses_other_parameters(tiny, tmp_path, capsys):
     assert cli_main(other) == 2
     assert "(epochs: 1 there vs 2 now)" in _one_paragraph(capsys.readouterr().err)
     assert _files(tmp_path / "T") == before
+    # Refused before any data is read: no dataset cache appears in a new data_dir.
+    elsewhere = ["train", "--out", str(tmp_path / "T"), "-p", "data_dir", str(tmp_path / "D")]
+    elsewhere += [a for k, v in {**tiny, "epochs": 1}.items() if k != "data_dir"
+                  for a in ("-p", k, str(v))]
+    assert cli_main(elsewhere) == 2
+    assert "data_dir" in _one_paragraph(capsys.readouterr().err)
+    assert not (tmp_path / "D").exists()
 
 
 def test_n_train_beyond_the_data_is_refused(tmp_path, capsys):
