@@ -468,8 +468,7 @@ def _report(args) -> int:
             raise ConfigError(f"--out {args.out!r} is blank, which would mean the working "
                               "directory; give the reports directory (default: reports)")
         runlock.check_writable_dir(args.out, "--out", "the reports")
-        here = Path(args.out).resolve()
-        inside = next((p for p in (here, *here.parents) if (p / "record.json").is_file()), None)
+        inside = runlock.enclosing_run(args.out)
         if inside is not None:  # the report would travel with that run when moved aside
             raise ConfigError(f"--out {args.out} lies in the run directory {inside}; give a "
                               "reports directory outside every run (default: reports)")

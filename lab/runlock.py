@@ -207,11 +207,11 @@ def check_run_dir(out, name: str = "out_dir") -> None:
                           f"give the run directory (e.g. {name} runs/my-run)")
     check_writable_dir(out, name)
     here = Path(out).expanduser().resolve()
-    for parent in here.parents:
-        if (parent / RECORD_FILE).is_file():
-            raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so the "
-                              f"new run would be nested in that run (listed and moved aside "
-                              f"with it); choose a directory outside {parent}")
+    parent = enclosing_run(here.parent)
+    if parent is not None:
+        raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so the "
+                          f"new run would be nested in that run (listed and moved aside "
+                          f"with it); choose a directory outside {parent}")
     held = _a_run_inside(here) if here.is_dir() else None
     if held is not None:
         raise ConfigError(f"{name} {out} already holds run directories (e.g. {held}), so it "
@@ -231,11 +231,18 @@ def check_runs_dir(out, name: str = "out") -> None:
     if (here / RECORD_FILE).is_file():
         raise ConfigError(f"{name} {out} is a run's directory (it holds a {RECORD_FILE}), not "
                           "a directory of runs; choose a directory outside it")
-    for parent in here.parents:
-        if (parent / RECORD_FILE).is_file():
-            raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so its "
-                              f"runs would be nested in that run (listed and moved aside with "
-                              f"it); choose a directory outside {parent}")
+    parent = enclosing_run(here.parent)
+    if parent is not None:
+        raise ConfigError(f"{name} {out} lies inside the run directory {parent}, so its "
+                          f"runs would be nested in that run (listed and moved aside with "
+                          f"it); choose a directory outside {parent}")
+
+
+def enclosing_run(path) -> Path | None:
+    """The run directory ``path`` is or lies in (the nearest holding a record), or None:
+    one stat per ancestor."""
+    here = Path(path).expanduser().resolve()
+    return next((p for p in (here, *here.parents) if (p / RECORD_FILE).is_file()), None)
 
 
 def _a_run_inside(directory: Path) -> str | None:

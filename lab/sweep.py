@@ -566,7 +566,7 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
     protocol leaves them to the machine, a run's recorded count is taken as given.
     """
     from .data.identity import changed_files
-    from .notebook import asked_differences, notebook_spec, resolve_parameters
+    from .notebook import _article, asked_differences, notebook_spec, resolve_parameters
 
     nb = notebook_spec(protocol.notebook)
     stale = {}
@@ -578,8 +578,7 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
         resolved = resolve_parameters(protocol.notebook, params, nb, preflight=False)
         there = records.another_trainers(record, resolved.kind)
         if there:  # every field would differ: name the kinds, as lab sweep does
-            article = "an" if there[:1] in "aeiou" else "a"
-            stale[spec.run_id] = (f"it holds {article} {there} run, and the protocol's "
+            stale[spec.run_id] = (f"it holds {_article(there)} {there} run, and the protocol's "
                                   f"notebook makes {resolved.kind} runs")
             continue
         # Compared as a sweep's lab.notebook.decide compares (the notebook's own
