@@ -650,20 +650,35 @@ def _papermill(notebook: Path, target: Path, params: dict, timeout: float | None
     """Run papermill; returns the error text if the notebook failed, None if it ran."""
     import papermill
 
-    with _ctrl_c_watch() as seen:
-        try:
-            papermill.execute_notebook(
-                str(notebook), str(target), parameters=params, kernel_name=KERNEL,
-                progress_bar=False, log_output=log_output, execution_timeout=timeout,
-                extra_arguments=KERNEL_ARGS,
-                # Every output is on disk by now and run files are written atomically;
-                # a graceful shutdown waits seconds for torch's exit handlers.
-                shutdown_kernel="immediate", **_papermill_options())
-        except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
-            if seen:  # ... unless it is the kernel dying of the same Ctrl-C
-                raise KeyboardInterrupt from None
-            return _describe_error(err, notebook, target)
-    return None
+    for attempt in range(1, KERNEL_STARTS + 1):
+        with _ctrl_c_watch() as seen:
+            try:
+                papermill.execute_notebook(
+                    str(notebook), str(target), parameters=params, kernel_name=KERNEL,
+                    progress_bar=False, log_output=log_output, execution_timeout=timeout,
+                    extra_arguments=KERNEL_ARGS,
+                    # Every output is on disk by now and run files are written atomically;
+                    # a graceful shutdown waits seconds for torch's exit handlers.
+                    shutdown_kernel="immediate", **_papermill_options())
+            except Exception as err:  # a cell error, a dead kernel, a timeout: the run failed
+                if seen:  # ... unless it is the kernel dying of the same Ctrl-C
+                    raise KeyboardInterrupt from None
+                if attempt < KERNEL_STARTS and _never_started(err):
+                    continue  # no cell ran: start another kernel
+                return _describe_error(err, notebook, target)
+        return None
+    return None  # (not reached)
+
+
+# Kernels started per execution. A kernel picks its TCP ports at random just before it
+# binds them, so two starting at once (a sweep's workers, a parallel test run) can
+# collide ("Address already in use") and die before replying to kernel_info; nothing has
+# run then, so another start is safe.
+KERNEL_STARTS = 3
+
+
+def _never_started(err: BaseException) -> bool:
+    return "died before replying to kernel_info" in str(err)
 
 
 # Loggers that report a kernel's death; after a Ctrl-C that death is the interrupt itself.

@@ -692,3 +692,29 @@ def test_decide_names_what_would_make_the_run(tmp_path):
         lab.notebook.decide(run, resolved, "never", maker="`lab train`")
     with pytest.raises(RunConflict, match="holds an ep run; this notebook makes conv runs"):
         lab.notebook.decide(run, resolved, "never")
+
+
+def test_a_kernel_that_dies_before_starting_is_started_again(tmp_path, monkeypatch):
+    # Two kernels starting at once can pick the same port and die before kernel_info: no
+    # cell ran, so another start is safe; a cell's error is never retried.
+    import papermill
+
+    calls = []
+
+    def execute(*args, **kwargs):
+        calls.append(1)
+        if len(calls) < outcome["fail"]:
+            raise outcome["error"]
+
+    outcome = {"fail": 2, "error": RuntimeError("Kernel died before replying to kernel_info")}
+    monkeypatch.setattr(papermill, "execute_notebook", execute)
+    nb, target = tmp_path / "n.ipynb", tmp_path / "out.ipynb"
+    assert lab.notebook._papermill(nb, target, {}, None, False) is None and len(calls) == 2
+    calls.clear()
+    outcome["fail"] = 99  # never starts: the error after KERNEL_STARTS tries
+    assert "kernel_info" in lab.notebook._papermill(nb, target, {}, None, False)
+    assert len(calls) == lab.notebook.KERNEL_STARTS
+    calls.clear()
+    outcome["error"] = ValueError("asked to fail")  # a cell's error: one try
+    assert "asked to fail" in lab.notebook._papermill(nb, target, {}, None, False)
+    assert len(calls) == 1
