@@ -34,7 +34,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
 
 # Units per chunk of a row. Chunk partials in the input dtype then float64: a
 # float32 partial sums at most CHUNK squares spread over the vector lanes
@@ -197,6 +198,47 @@ def mixed_apical(I, h, C, g, P, b, rule: int, out):
     """
     kernel = _mixed_serial if I.size < SERIAL_BELOW else _mixed_parallel
     return kernel(I, h, C, g, P, b, rule, out)
+
+
+@intrinsic
+def _pointer(typingctx, address, like):
+    """A pointer to elements of ``like``'s type at an integer ``address`` (a torch
+    tensor's ``data_ptr()``), for ``numba.carray``."""
+    sig = types.CPointer(like)(types.intp, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+# The dispatcher's hot path: ``mixed_apical`` on memory given by address. aI ... aout are
+# data pointers of I, h, C, P, b, out, each contiguous, of g's dtype, (B, N) for I, h,
+# out and (N,) for C, P, b; the caller has checked all of that and keeps the tensors
+# alive. Same kernels, same bits as ``mixed_apical`` on numpy views; why addresses:
+# see dispatch._mixed_cpu_fast.
+@njit(cache=True)
+def _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g):
+    # I, h, out (B, N) and C, P, b (N,) as arrays over the given addresses.
+    rows = (B, N)
+    return (carray(_pointer(aI, g), rows), carray(_pointer(ah, g), rows),
+            carray(_pointer(aC, g), (N,)), carray(_pointer(aP, g), (N,)),
+            carray(_pointer(ab, g), (N,)), carray(_pointer(aout, g), rows))
+
+
+# Two plain functions, not one closure made twice: made as a closure pair (differing only
+# in a flag), the parallel one, loaded from numba's cache after the serial one in the
+# same process, failed to return its array ("NRT_adapt_ndarray_to_python: descr is NULL").
+@njit(cache=True)
+def _mixed_at_parallel(aI, ah, aC, aP, ab, aout, B, N, g, rule):
+    I, h, C, P, b, out = _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g)
+    return _mixed_parallel(I, h, C, g, P, b, rule, out)
+
+
+@njit(cache=True)
+def _mixed_at_serial(aI, ah, aC, aP, ab, aout, B, N, g, rule):
+    I, h, C, P, b, out = _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g)
+    return _mixed_serial(I, h, C, g, P, b, rule, out)
 
 
 # ---- predictor update: per-unit reductions over the batch -------------------------------

@@ -7,9 +7,9 @@ kernels (``cpu.py``, zero-copy numpy views), anything else to the torch referenc
 ``backend="torch"`` always runs the reference (``reference.py``); ``backend="numba"``
 insists on a numba kernel. Float32 and float64 only. Tensors that require grad
 are read through ``.detach()`` (the callers are no-grad rule code). Plain
-contiguous CPU tensors of one dtype take a short path (``_cpu_views``: fewer,
-cheaper checks on numpy views) to the same kernel; anything else goes through the
-full checks. Inputs that are not contiguous are copied to contiguous memory; an
+contiguous CPU tensors of one dtype take a short path to the same kernel (fewer,
+cheaper checks; ``mixed_apical``'s hands the kernel data pointers, the others numpy
+views); anything else goes through the full checks. Inputs that are not contiguous are copied to contiguous memory; an
 in-place output (the predictor's P and b, ``aux_add``'s dst, ``mixed_apical``'s
 ``out``) must already be contiguous, and is refused otherwise.
 """
@@ -211,7 +211,9 @@ def _mark_written(*tensors: torch.Tensor) -> None:
 
 
 _NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_LARGEST = {dt: float(np.finfo(dt).max) for dt in _NUMPY_DTYPES}
+# Largest finite value, by numpy dtype (the views' paths) and by torch dtype (addresses').
+_LARGEST = {**{dt: float(np.finfo(dt).max) for dt in _NUMPY_DTYPES},
+            **{dt: torch.finfo(dt).max for dt in DTYPES}}
 
 
 def _cpu_views(*tensors):
@@ -241,39 +243,67 @@ def _cpu_views(*tensors):
     return views
 
 
+_SCALAR = {torch.float32: np.float32, torch.float64: np.float64}
+_increment_version = torch._C._increment_version  # what _mark_written calls, minus a frame
+
+
 def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
-    """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None."""
+    """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None.
+
+    The callers' hot path: it hands the kernel data pointers (``cpu.mixed_apical_at``)
+    instead of numpy views, in one frame, reading as few tensor attributes as it can.
+    Why so lean: at ResNet-20's smallest population the kernel takes about 0.3 ms, and
+    each call finds the Python objects involved out of cache (a training step, like the
+    benchmark, streams megabytes between calls), where every attribute read and frame
+    costs several times its warm price: the first version of this path (numpy views,
+    five 0-d results, helper functions) cost 60-75 us there, this one about 30.
+    Not asked, on purpose: an input's grad (one that requires grad is read as the
+    checked path reads its ``.detach()``, the same memory) and the layout (a sparse or
+    mkldnn tensor has no data pointer: the RuntimeError sends it to the checked path,
+    as the AttributeError sends anything that is not a tensor).
+    """
     # A bool is no gain; abs() < inf is False for NaN and inf and, unlike isfinite, never
     # overflows on a huge int (the dtype check below sends that to the checked path).
     if type(gain) not in (float, int) or not abs(gain) < math.inf:
         return None
-    views = _cpu_views(I, h, C, P, b, *(() if out is None else (out,)))
-    if views is None:
+    try:
+        dt, shape = h.dtype, h.shape
+        units = shape[1:]
+        if (dt not in _SCALAR or not abs(gain) <= _LARGEST[dt] or not units
+                or I.shape != shape or C.shape != units or P.shape != units
+                or b.shape != units or (out is not None and (out.shape != shape
+                                                             or out.requires_grad))):
+            return None  # the checked path says what is wrong (g*C overflowing, ...)
+        addresses = []
+        for t in (I, h, C, P, b) if out is None else (I, h, C, P, b, out):
+            if not t.is_cpu or t.dtype is not dt or not t.is_contiguous() or t.is_neg():
+                return None
+            addresses.append(t.data_ptr())
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor, no data pointer, ...
         return None
-    I_, h_, C_, P_, b_, o_ = views if out is not None else (*views, None)
-    shape, dt = h_.shape, h_.dtype
-    if not abs(gain) <= _LARGEST[dt]:  # g*C would overflow: the checked path says so
-        return None
-    if out is not None and _clashes(out, (I, h, C, P, b)):
-        return None  # the checked path names the overlap
-    population = len(shape) >= 2 and h_.size > 0 and I_.shape == shape
-    per_unit = C_.shape == P_.shape == b_.shape == shape[1:]
-    one_dtype = I_.dtype is C_.dtype is P_.dtype is b_.dtype is dt  # numpy's are singletons
-    if o_ is not None and (o_.shape != shape or o_.dtype is not dt):
-        return None
-    if not (population and per_unit and one_dtype):
-        return None
-    used = torch.empty_like(h) if out is None else out  # h is contiguous: so is used
-    if o_ is None:
-        o_ = used.numpy()
     B = shape[0]
-    N = h_.size // B
-    tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), C_.ravel(), dt.type(gain),
-                           P_.ravel(), b_.ravel(), code, o_.reshape(B, N))
-    tot = torch.from_numpy(tot).unbind()  # five 0-d views in one call
+    N = math.prod(units)
+    if B * N == 0:
+        return None
+    if out is None:
+        used = torch.empty_like(h, memory_format=torch.contiguous_format)
+        addresses.append(used.data_ptr())
+    else:
+        # out may be I or h itself (each element is read before it is written); any other
+        # overlap goes to the checked path, which names it. Spans in bytes.
+        item = h.element_size()
+        lo = addresses[5]
+        hi = lo + B * N * item
+        for k in range(5):
+            p = addresses[k]
+            if p < hi and lo < p + (B * N if k < 2 else N) * item and not (p == lo and k < 2):
+                return None
+        used = out
+    kernel = cpu._mixed_at_serial if B * N < cpu.SERIAL_BELOW else cpu._mixed_at_parallel
+    tot = kernel(*addresses, B, N, _SCALAR[dt](gain), code)
     if out is not None:
-        _mark_written(out)
-    return MixedApical(used, tot[4], tot[0], tot[2], tot[3], tot[1])
+        _increment_version((out,))  # as _mark_written
+    return tuple.__new__(MixedApical, (used, torch.from_numpy(tot)))
 
 
 def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
@@ -285,7 +315,8 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     R = I + T, innovation N = R - (P*h + b) (formed as I + ((g*C - P)*h - b)),
     matched M_e = R_e * ||N_e|| / ||R_e|| per example e (M_e = 0 where R_e == 0).
     ``rule`` picks ``.used``: raw R, innovation N or matched M. The sums of squares
-    (0-d float64 tensors on the inputs' device) are over the whole population;
+    (``.sums``, a (5,) float64 tensor on the inputs' device in ``MixedApical.SUMS``
+    order; ``.ss_used``, ``.ss_raw`` ... are 0-d views of it) are over the whole population;
     for matched, ``ss_used`` is the sum of ||N_e||^2 over examples with R_e != 0
     (what ||M_e|| equals in real arithmetic). ``out`` (B, *U), contiguous, receives
     ``.used`` if given.
@@ -321,7 +352,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
         tot = cpu.mixed_apical(I_.reshape(B, N), h_.reshape(B, N), C_.ravel(),
                                h_.dtype.type(g), P_.ravel(), b_.ravel(), code,
                                used.numpy().reshape(B, N))
-        tot = torch.from_numpy(tot).unbind()  # five 0-d views in one call
+        tot = torch.from_numpy(tot)
     else:
         from . import gpu
 
@@ -336,11 +367,11 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
             gpu.mixed_apical(*(arr(t) for t in flat + units), code, arr(used.view(B, N)),
                              *(arr(ws[k]) for k in ("part", "rows", "scales", "tot")),
                              stream=stream)
-        tot = ws["tot"].unbind()
+        tot = ws["tot"]
     if out is not None:
         _mark_written(out)
         used = given
-    return MixedApical(used, tot[4], tot[0], tot[2], tot[3], tot[1])
+    return MixedApical(used, tot)
 
 
 def _channel_stats(name: str, t, h: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # no
         scale = (torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
                  + (ss_r - ss_r) + (ss_n - ss_n))
         used = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
-    return MixedApical(used, _ss(used), _ss(I), _ss(R), _ss(N), _ss(T))
+    return MixedApical(used, torch.stack([_ss(I), _ss(T), _ss(R), _ss(N), _ss(used)]))
 
 
 def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:

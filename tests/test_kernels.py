@@ -188,16 +188,46 @@ def test_short_cpu_path_matches_checked_path_bitwise(rule, dtype):
     # backend="auto" on plain contiguous CPU tensors takes dispatch's short path (few
     # checks, numpy views); backend="numba" runs every check first. Same kernel, so the
     # same bits, with or without out=, and out's version counter is bumped.
-    p = population((6, 5, 7), dtype, seed=7)
-    full = nk.mixed_apical(**p, rule=rule, backend="numba")
-    for out in (None, torch.full_like(p["I"], float("nan"))):
-        v = None if out is None else out._version
-        fast = nk.mixed_apical(**p, rule=rule, out=out)
-        assert torch.equal(fast.used, full.used)
-        assert all(torch.equal(getattr(fast, k), getattr(full, k)) for k in SS)
-        assert all(getattr(fast, k).dtype == torch.float64 for k in SS)
-        if out is not None:
-            assert fast.used is out and out._version > v
+    # (6, 5, 7) runs the serial kernel, (40, 9, 101) the parallel one.
+    for shape in ((6, 5, 7), (40, 9, 101)):
+        p = population(shape, dtype, seed=7)
+        full = nk.mixed_apical(**p, rule=rule, backend="numba")
+        for out in (None, torch.full_like(p["I"], float("nan"))):
+            v = None if out is None else out._version
+            fast = nk.mixed_apical(**p, rule=rule, out=out)
+            assert torch.equal(fast.used, full.used)
+            assert all(torch.equal(getattr(fast, k), getattr(full, k)) for k in SS)
+            assert all(getattr(fast, k).dtype == torch.float64 for k in SS)
+            if out is not None:
+                assert fast.used is out and out._version > v
+
+
+ADDRESS_KERNELS = """
+import sys, numpy as np
+from numba_kernels import cpu
+rng = np.random.default_rng(0)
+for which in sys.argv[1]:
+    I, h, o = (rng.standard_normal((40, 999)).astype(np.float32) for _ in range(3))
+    C, P, b = (rng.standard_normal(999).astype(np.float32) for _ in range(3))
+    kernel = {"s": cpu._mixed_at_serial, "p": cpu._mixed_at_parallel}[which]
+    tot = kernel(*(a.ctypes.data for a in (I, h, C, P, b, o)), 40, 999, np.float32(0.7), 1)
+    want = np.empty_like(o)
+    assert np.array_equal(tot, cpu._mixed_serial(I, h, C, np.float32(0.7), P, b, 1, want))
+    assert np.array_equal(o, want)
+"""
+
+
+@pytest.mark.parametrize("order", ["sp", "ps"])
+def test_address_kernels_load_from_the_cache_in_either_order(order):
+    # Both address kernels in one fresh process, twice (the second run loads both from
+    # numba's cache): as a closure pair, the parallel one failed after the serial one.
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", ADDRESS_KERNELS, order],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_short_cpu_path_declines_what_it_cannot_take():
@@ -215,6 +245,55 @@ def test_short_cpu_path_declines_what_it_cannot_take():
     got = nk.mixed_apical(**{**p, "C": p["C"].clone().requires_grad_(True),
                              "gain": torch.tensor(p["gain"], dtype=torch.float64)}, rule="raw")
     assert torch.equal(got.used, want.used)
+
+
+def test_short_cpu_path_takes_addresses_only_of_plain_tensors():
+    # The short path hands the kernel raw data pointers: every tensor it passes on must
+    # be plain strided, contiguous CPU memory of one float dtype, or its values would be
+    # read wrongly (a negated view, a transposed one) or from nowhere. Each unusual
+    # tensor, as any argument, gives the reference's answer (checked path) or the
+    # checked path's error naming the argument, never a wrong result.
+    p = population((4, 3, 5), torch.float64, seed=3)
+    want = nk.mixed_apical(**p, rule="innovation", backend="torch")
+    for name in ("I", "h", "C", "P", "b"):
+        x = p[name]
+        same = {"strided": torch.stack([x, x], -1)[..., 0],
+                "transposed": x.transpose(0, -1).contiguous().transpose(0, -1),
+                "requires grad": x.clone().requires_grad_(True)}
+        for kind, value in same.items():
+            got = nk.mixed_apical(**{**p, name: value}, rule="innovation")
+            assert rel(got.used, want.used) < 1e-12 and not got.used.requires_grad, kind
+        refused = {"negative bit": (ValueError, "negative bit.*resolve_neg", torch._neg_view(-x)),
+                   "float32": (ValueError, "must match", x.float()),
+                   "float16": (TypeError, "torch.float16", x.half()),
+                   "int": (TypeError, "torch.int64", x.long()),
+                   "numpy": (TypeError, "must be a torch.Tensor", x.numpy()),
+                   "meta": (ValueError, "device meta", x.to("meta")),
+                   # no data pointer: refused somewhere, in torch's words or ours
+                   "sparse": ((RuntimeError, TypeError, ValueError), None, x.to_sparse()),
+                   "mkldnn": ((RuntimeError, TypeError, ValueError), None,
+                              x.float().to_mkldnn())}
+        for kind, (error, match, value) in refused.items():
+            with pytest.raises(error, match=match) as caught:
+                nk.mixed_apical(**{**p, name: value}, rule="innovation")
+            # h is the population the others are matched against: a mismatch names I
+            named = "I" if name == "h" and kind in ("float32", "meta") else name
+            if kind not in ("sparse", "mkldnn"):  # torch's own words for those
+                assert str(caught.value).startswith(f"{named} "), (kind, caught.value)
+
+
+def test_sums_are_the_named_sums_of_squares_in_order():
+    p = population((6, 5, 7), torch.float64, seed=2)
+    I, h, C, g, P, b = p["I"], p["h"], p["C"], p["gain"], p["P"], p["b"]
+    T = g * C * h
+    direct = {"instruction": ss(I), "traffic": ss(T), "raw": ss(I + T),
+              "innovation": ss(I + T - (P * h + b)), "used": ss(I + T)}
+    for backend in ("auto", "torch"):
+        got = nk.mixed_apical(**p, rule="raw", backend=backend)
+        assert got.sums.shape == (5,) and got.sums.dtype == torch.float64
+        for k, name in enumerate(got.SUMS):
+            assert math.isclose(got.sums[k].item(), direct[name], rel_tol=1e-12), name
+            assert torch.equal(getattr(got, f"ss_{name}"), got.sums[k])
 
 
 def test_mixed_apical_inputs_grad_noncontiguous_and_out():

@@ -404,10 +404,11 @@ class SDIL(Rule):
                 "innovation" if clean else self.params.traffic_rule)
             used.append(ins if clean else mixed.used * batch)
             if step is not None:
+                sums = dict(zip(mixed.SUMS, mixed.sums.tolist()))
+                if clean:
+                    sums["used"] = sums["instruction"]
                 for name in SIGNALS:
-                    ss = mixed.ss_instruction if clean and name == "used" else \
-                        getattr(mixed, f"ss_{name}")
-                    self.sums[name][i] += float(ss) * batch ** 2
+                    self.sums[name][i] += sums[name] * batch ** 2
                 self.numels[i] += h.numel()
         segments.inject(used, batch)
         if step is not None:
