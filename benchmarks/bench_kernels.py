@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 import numba_kernels as nk
+from lab.cli import positive_int
 from lab.device import configure_process
 from numba_kernels import cpu
 
@@ -236,22 +238,53 @@ def bench_predictor(shape, dtype, device, rounds, now):
                 speedup=med["ref"] / med["fused"])
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked before anything is timed: one argparse error (exit 2) if wrong."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small smoke sizes, few rounds")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--quick", action="store_true",
+                        help="small smoke sizes, 5 rounds unless --rounds")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="timed calls per contender, round-robin (default 30)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS,
-                        help="numba and torch threads (set equal)")
+    parser.add_argument("--threads", type=positive_int, default=numba.config.NUMBA_NUM_THREADS,
+                        help="numba and torch threads, set equal (default NUMBA_NUM_THREADS, "
+                             f"at most {numba.config.NUMBA_NUM_THREADS} here)")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 30
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() "
+                     "is False); run on a GPU machine (benchmarks/gpu_check.sh), or use cpu")
+    if args.threads > numba.config.NUMBA_NUM_THREADS:
+        parser.error(f"argument --threads: at most NUMBA_NUM_THREADS = "
+                     f"{numba.config.NUMBA_NUM_THREADS} (numba's pool is that size), got "
+                     f"{args.threads}")
+    return args
+
+
+def machine_load() -> str | None:
+    """A warning when other work shares the cores: then no ratio here means anything."""
+    busy, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if busy <= cores - 0.5:
+        return None
+    return (f"WARNING: the machine is busy (load average {busy:.1f} on {cores} cores) while "
+            f"benchmarking: every figure below is shared with other work; rerun on a quiet "
+            f"machine before comparing with the targets")
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     configure_process(args.threads)  # numba = torch threads, and the allocator policy of runs
-    shapes, rounds = (QUICK_SHAPES, 5) if args.quick else (SHAPES, args.rounds)
+    shapes, rounds = (QUICK_SHAPES if args.quick else SHAPES), args.rounds
     now = _timer(device)
     print(f"device {device}, {args.dtype}, {rounds} rounds (medians), threads: "
-          f"numba {numba.get_num_threads()} = torch {torch.get_num_threads()}")
+          f"numba {numba.get_num_threads()} = torch {torch.get_num_threads()}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if machine_load():
+        print(machine_load())
     print(f"{'':31} {'allocating':>31}   {'streaming (target)':>32}   {'in cache':>23}")
     print(f"{'population':>20} {'rule':>10} {'torch ref ms':>12} {'fused ms':>9} "
           f"{'speedup':>8}   {'out= ms':>8} {'GB/s':>6} {'add GB/s':>8} {'ratio':>6}   "

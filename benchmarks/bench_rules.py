@@ -31,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lab.cli import positive_int
 from lab.device import configure_process
 from lab.models import ResNet
 from lab.rules import RULES, make_rule
@@ -127,16 +128,6 @@ def _biotorch_step(x, y):
     return step
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """The options, checked before any timing: one argparse error (exit 2) if wrong."""
     parser = argparse.ArgumentParser(
@@ -144,14 +135,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Second table: learned feedback (lhfa, sdil) against fa on the MNIST-1D shape, "
                f"printed when --rules names lhfa and/or sdil; it uses its own batch of "
                f"{LEARNED_BATCH} (the protocol's), not --batch.")
-    parser.add_argument("--rounds", type=_positive, default=15,
+    parser.add_argument("--rounds", type=positive_int, default=15,
                         help="timed steps per rule, interleaved round-robin (default 15)")
     parser.add_argument("--rules", default=",".join(sorted(RULES)),
                         help="comma-separated rules to time; must include bp, the baseline "
                              "(default: every rule)")
-    parser.add_argument("--batch", type=_positive, default=128,
+    parser.add_argument("--batch", type=positive_int, default=128,
                         help="batch of the first table's CIFAR-shaped input (default 128)")
-    parser.add_argument("--every", type=_positive, default=8,
+    parser.add_argument("--every", type=positive_int, default=8,
                         help="lhfa/sdil pert_every: one calibration event every EVERY steps, "
                              "for the second table's amortised step (default 8)")
     args = parser.parse_args(argv)

@@ -14,16 +14,18 @@ cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 
+# The GPU first: on a machine without one, stop before installing anything.
+"$PY" -c 'import sys, torch
+if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no CUDA GPU: install a CUDA build of torch first")'
+
 if ! "$PY" -c 'import numba_kernels, numba.cuda, pytest' 2>/dev/null; then
     "$PY" -m pip install -q -e '.[test]'
 fi
 
 "$PY" - <<'EOF'
-import sys
 import torch
 from numba import cuda
-if not torch.cuda.is_available():
-    sys.exit(f"torch {torch.__version__} sees no CUDA GPU: install a CUDA build of torch first")
 print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))
 print("numba-cuda sees:", cuda.gpus[0].name, "cc", cuda.gpus[0].compute_capability)
 EOF

@@ -122,6 +122,17 @@ def _interrupted(out) -> int:
     return 130
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (the benchmarks' --rounds, --threads ...): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def _workers(text: str) -> int:
     """argparse type of --workers: a whole number >= 1."""
     try:

@@ -758,6 +758,14 @@ def mark_failed(run_dir, run_id: str, config: Mapping, error: str) -> dict:
     return record
 
 
+def _trainers(out: Path) -> bool:
+    """Whether ``out``'s record is a trainer's (not a plain notebook's, not unreadable)."""
+    try:
+        return records.load_record(out, rows=False)["kind"] != records.NOTEBOOK_KIND
+    except records.RecordError:
+        return False
+
+
 def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: str | None,
                    started: float) -> tuple[str, str | None]:
     """Bring record.json in line with how the notebook ended; returns (status, error)."""
@@ -765,10 +773,13 @@ def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: st
         mark_failed(out, run_id, config, error)
         return "failed", error
     path = out / records.RECORD_FILE
-    if not path.exists() or path.stat().st_mtime < started:
+    if not path.exists() or (path.stat().st_mtime < started and not _trainers(out)):
         # A notebook that trains nothing still leaves a record (replacing one
         # from an earlier attempt, whose creation time it keeps), so sweeps of it
-        # resume like any other; its recorded values are the final metrics.
+        # resume like any other; its recorded values are the final metrics. A
+        # trainer's record not written this time is one its trainer found finished
+        # and left as it was (the notebook re-executed to finish its last cells):
+        # it stays.
         created = _existing_created(out)
         record = records.new_record(run_id=run_id, kind=records.NOTEBOOK_KIND, config=config)
         record.update(status="complete", final=_metric_values(values))

@@ -9,9 +9,11 @@ insists on a numba kernel. Float32 and float64 only. Tensors that require grad
 are read through ``.detach()`` (the callers are no-grad rule code). Plain
 contiguous CPU tensors of one dtype take a short path to the same kernel (fewer,
 cheaper checks; ``mixed_apical``'s hands the kernel data pointers, the others numpy
-views); anything else goes through the full checks. Inputs that are not contiguous are copied to contiguous memory; an
-in-place output (the predictor's P and b, ``aux_add``'s dst, ``mixed_apical``'s
-``out``) must already be contiguous, and is refused otherwise.
+views); anything else goes through the full checks. Inputs that are not contiguous
+are copied to contiguous memory; an in-place output (the predictor's P and b,
+``aux_add``'s dst, ``mixed_apical``'s ``out``) must already be contiguous, and is
+refused otherwise; so is an inference tensor written outside inference mode (as
+torch refuses it), and a sparse or other non-strided tensor anywhere.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def _tensor(name: str, t, like: torch.Tensor | None = None,
             like_name: str = "the population's") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:  # (no strides to describe)
+        raise TypeError(f"{name} is a {str(t.layout).removeprefix('torch.')} tensor of shape "
+                        f"{tuple(t.shape)}; numba_kernels takes dense (strided) tensors: pass "
+                        f"{name}.to_dense()")
     if t.dtype not in DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; numba_kernels takes torch.float32 or "
                         f"torch.float64 (cast with .float() or .double())")
@@ -124,6 +130,13 @@ def _untracked(name: str, t):
 
 
 def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        # torch refuses this write too (the reference's in-place op raises); the kernels'
+        # views would bypass that guard, so the backends would disagree.
+        raise RuntimeError(f"{name} ({_describe(t)}) is an inference tensor (made under "
+                           f"torch.inference_mode()) and is written in place outside it, "
+                           f"which torch does not allow; call inside torch.inference_mode() "
+                           f"or pass a normal tensor ({name}.clone() outside inference mode)")
     if not t.is_contiguous():
         raise ValueError(f"{name} ({_describe(t)}) is written in place and must be "
                          f"contiguous; pass a contiguous tensor (e.g. keep the "
@@ -162,6 +175,28 @@ def _flag(name: str, value) -> bool:
     return value
 
 
+_POOL = []  # holds True once numba's thread pool has been started by _start_pool
+
+
+def _start_pool() -> None:
+    """Start numba's thread pool, keeping torch's thread count (once per process).
+
+    Numba's parallel kernels run on their own OpenMP pool (a second libgomp);
+    starting it once torch's pool runs resets the count torch reports and uses, so a
+    caller who had set ``torch.set_num_threads(1)`` (jobs side by side) found torch
+    on every core after the first kernel call, the two pools oversubscribing the
+    cores. Started
+    lazily, at the first CPU kernel call (not at import: a process that forks after
+    starting an OpenMP pool can hang its children).
+    """
+    import numba
+
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    torch.set_num_threads(threads)
+    _POOL.append(True)
+
+
 def _form(backend: str, device: torch.device) -> str:
     """'cpu', 'cuda' or 'torch': which form runs for these tensors."""
     if backend not in BACKENDS:
@@ -169,6 +204,8 @@ def _form(backend: str, device: torch.device) -> str:
     if backend == "torch":
         return "torch"
     if device.type == "cpu":
+        if not _POOL:
+            _start_pool()
         return "cpu"
     if device.type == "cuda":
         try:
@@ -227,6 +264,8 @@ def _cpu_views(*tensors):
     checked path, which handles it or raises the error naming the argument (a
     ``None`` too: callers pass an absent ``out`` separately).
     """
+    if not _POOL:
+        _start_pool()
     views = []
     try:
         for t in tensors:
@@ -271,8 +310,8 @@ def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
         units = shape[1:]
         if (dt not in _SCALAR or not abs(gain) <= _LARGEST[dt] or not units
                 or I.shape != shape or C.shape != units or P.shape != units
-                or b.shape != units or (out is not None and (out.shape != shape
-                                                             or out.requires_grad))):
+                or b.shape != units or (out is not None and (
+                    out.shape != shape or out.requires_grad or out.is_inference()))):
             return None  # the checked path says what is wrong (g*C overflowing, ...)
         addresses = []
         for t in (I, h, C, P, b) if out is None else (I, h, C, P, b, out):
@@ -299,6 +338,8 @@ def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
             if p < hi and lo < p + (B * N if k < 2 else N) * item and not (p == lo and k < 2):
                 return None
         used = out
+    if not _POOL:
+        _start_pool()
     kernel = cpu._mixed_at_serial if B * N < cpu.SERIAL_BELOW else cpu._mixed_at_parallel
     tot = kernel(*addresses, B, N, _SCALAR[dt](gain), code)
     if out is not None:
@@ -319,9 +360,16 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     order; ``.ss_used``, ``.ss_raw`` ... are 0-d views of it) are over the whole population;
     for matched, ``ss_used`` is the sum of ||N_e||^2 over examples with R_e != 0
     (what ||M_e|| equals in real arithmetic). ``out`` (B, *U), contiguous, receives
-    ``.used`` if given.
+    ``.used`` if given; it may be I or h itself, but the CPU kernel's results then
+    differ in the last bits from those into a separate ``out`` (the compiler takes
+    the loop's scalar version for aliased memory; the sums, and so matched's
+    ``.used``, add in another order): bit for bit run to run only for the same
+    aliasing. Range: the gain alone is checked against the dtype; a g*C that
+    overflows, or a signal whose square does (squares are formed in the input dtype and
+    summed in float64: in float32 any |x| above about 1.8e19), gives inf / NaN, as in the
+    reference; matched's row is then NaN.
     """
-    if backend == "auto" and rule in cpu.RULE_CODES:
+    if backend == "auto" and type(rule) is str and rule in cpu.RULE_CODES:
         fast = _mixed_cpu_fast(I, h, C, gain, P, b, cpu.RULE_CODES[rule], out)
         if fast is not None:
             return fast
@@ -357,7 +405,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
         from . import gpu
 
         flat = [t.contiguous().view(B, N) for t in (I, h)]
-        gC = (C * g).view(N)  # the product the reference forms: same rounding
+        gC = (C.contiguous() * g).view(N)  # the reference's product: same rounding
         units = [gC] + [t.contiguous().view(N) for t in (P, b)]
         shapes = gpu.mixed_workspace_shapes(B, N)
         ws = {k: torch.empty(s, dtype=torch.float64, device=h.device) for k, s in shapes.items()}
@@ -412,7 +460,8 @@ def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scal
     if views is None:
         return None
     I_, h_, o_, C_, P_, b_, m_, s_, g_, out_ = views if out is not None else (*views, None)
-    if out is not None and _clashes(out, (I, h, o, C, P, b, mean, invstd, gamma)):
+    if out is not None and (out.is_inference()  # the checked path decides
+                            or _clashes(out, (I, h, o, C, P, b, mean, invstd, gamma))):
         return None  # the checked path names the overlap
     shape, dt = h_.shape, h_.dtype
     if (not (abs(gain) <= _LARGEST[dt] and abs(scale) <= _LARGEST[dt])
@@ -461,7 +510,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     Sums of squares as ``mixed_apical``'s (rule ``none``: ss_used = ss_instruction).
     Shapes: I, h, o, out (B, Ch, *S); C, P, b (Ch, *S).
     """
-    if backend == "auto" and rule in cpu.LOCAL_CODES:
+    if backend == "auto" and type(rule) is str and rule in cpu.LOCAL_CODES:
         fast = _local_cpu_fast(I, h, o, C, gain, P, b, cpu.LOCAL_CODES[rule], mean, invstd,
                                gamma, scale, instruction, masked, out)
         if fast is not None:
@@ -603,6 +652,7 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
         views = _cpu_views(dst, src)
         if (views is not None and views[0].shape == views[1].shape
                 and views[0].dtype == views[1].dtype and views[0].size
+                and not dst.is_inference()  # the checked path decides
                 and not _clashes(dst, (src,))):  # apart, or the very same view
             cpu.aux_add(views[0].ravel(), views[1].ravel())
             _mark_written(dst)

@@ -23,7 +23,12 @@ def _ss(x: torch.Tensor) -> torch.Tensor:
 
 
 def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # noqa: E741
-    """Traffic, raw, innovation and matched for one population, in plain torch."""
+    """Traffic, raw, innovation and matched for one population, in plain torch.
+
+    Takes tensors as they come (the dispatcher checks them); only the rule is checked
+    here, so a mistyped one is an error rather than matched."""
+    if rule not in ("raw", "innovation", "matched"):
+        raise ValueError(f"rule={rule!r}; allowed: raw, matched, innovation")
     gC = C * gain  # (*U)
     T = gC * h  # (B, *U)
     R = I + T
@@ -75,6 +80,8 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
     the used signal's norm parameter gradients. Rule ``none``: used = I. Norm sums
     in float64.
     """
+    if rule not in ("none", "raw", "innovation", "matched"):
+        raise ValueError(f"rule={rule!r}; allowed: none, raw, matched, innovation")
     mixed = mixed_apical_reference(I, h, C, gain, P, b,
                                    "innovation" if rule == "none" else rule)
     used = I if rule == "none" else mixed.used

@@ -18,9 +18,12 @@ class MixedApical(NamedTuple):
     """One population's mixed apical compartment (DESIGN section 5).
 
     The five sums of squares travel as one float64 vector ``sums`` (the kernels write
-    them so); ``ss_used`` and the rest are 0-d views of it, made when read. Why: five
-    0-d tensors made on every call cost the CPU path up to a tenth of a small
-    population's kernel time, and a caller that logs them wants ``sums.tolist()``.
+    them so); ``ss_used`` and the rest are 0-d views of it, made when read (views:
+    an in-place ``+=`` on one changes ``sums``). Why: five 0-d tensors made on every
+    call cost the CPU path up to a tenth of a small population's kernel time, and a
+    caller that logs them wants ``sums.tolist()``. (``MixedLocal`` keeps separate
+    fields: its sums are formed from per-channel partials after the kernel, and the
+    tensors it returns dwarf them.)
     """
 
     used: torch.Tensor  # (B, *U) the signal the rule trains with

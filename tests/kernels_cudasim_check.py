@@ -238,6 +238,11 @@ def check_dispatch_cuda_branch():
                                    backend="torch")
             close(f"dispatch {rule} used", got.used, want.used, tol)
             close(f"dispatch {rule} sums", got.sums.tolist(), want.sums.tolist(), tol)
+            # per-unit tensors that are not contiguous (a transposed C: C * g keeps its
+            # strides) are made contiguous before the flat views the kernels take
+            Ct = t["C"].transpose(1, 2).contiguous().transpose(1, 2)
+            got = nk.mixed_apical(t["I"], t["h"], Ct, 0.7, t["P"], t["b"], rule)
+            close(f"dispatch {rule} transposed C", got.used, want.used, tol)
         P1, b1, P2, b2 = t["P"].clone(), t["b"].clone(), t["P"].clone(), t["b"].clone()
         s1 = nk.predictor_update(t["h"], t["I"], P1, b1, 0.3)
         s2 = nk.predictor_update(t["h"], t["I"], P2, b2, 0.3, backend="torch")

@@ -92,6 +92,45 @@ def test_bench_traffic_quick_honours_batch(traffic, argv, depth, batch):
     assert (args.depth, args.batch) == (depth, batch)
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    return _load("bench_kernels")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], r"argument --rounds: must be an integer >= 1, got 0"),
+    (["--quick", "--rounds", "-3"], r"argument --rounds: must be an integer >= 1, got -3"),
+    (["--threads", "0"], r"argument --threads: must be an integer >= 1, got 0"),
+    (["--threads", "two"], r"argument --threads: must be an integer >= 1, got 'two'"),
+    (["--threads", "9999"], r"argument --threads: at most NUMBA_NUM_THREADS = \d+ .*got 9999"),
+])
+def test_bench_kernels_refuses_bad_options_up_front(kernels, capsys, argv, message):
+    err = _error(kernels, argv, capsys)
+    assert "Traceback" not in err
+    assert re.search(message, err.splitlines()[-1]), err
+
+
+def test_bench_kernels_refuses_cuda_without_a_gpu(kernels, capsys, monkeypatch):
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: False)
+    err = _error(kernels, ["--device", "cuda"], capsys)
+    assert re.search(r"--device cuda: this torch sees no CUDA GPU.*gpu_check.sh", err), err
+
+
+@pytest.mark.parametrize("argv, rounds", [([], 30), (["--quick"], 5),
+                                          (["--quick", "--rounds", "7"], 7),
+                                          (["--rounds", "2"], 2)])
+def test_bench_kernels_quick_honours_rounds(kernels, argv, rounds):
+    assert kernels.parse_args(argv).rounds == rounds
+
+
+def test_bench_kernels_warns_on_a_busy_machine(kernels, monkeypatch):
+    monkeypatch.setattr(kernels.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    assert re.search(r"busy \(load average 5.0 on 2 cores\)", kernels.machine_load())
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (0.3, 2.0, 2.0))
+    assert kernels.machine_load() is None
+
+
 def test_fig_wd_kp_refuses_a_missing_directory_and_unfinished_runs(tmp_path, capsys):
     from lab import records
 

@@ -394,6 +394,19 @@ def test_training_notebook_with_injected_small_parameters(tiny, tmp_path, capsys
     assert pngs, "the learning-curve figure is missing from the executed notebook"
     html = render_html(result.notebook, tmp_path / "run.html")
     assert "<html" in html.read_text()[:2000].lower()
+    # kill -9 after the trainer finished but before the notebook's last cell (its
+    # metadata.lab is written last): the notebook is executed again to finish, and the
+    # trainer's record, which its trainer finds complete and leaves, is kept as it was.
+    path = tmp_path / "bp-s1" / "notebook.ipynb"
+    nb = json.loads(path.read_text())
+    del nb["metadata"]["lab"]
+    path.write_text(json.dumps(nb))
+    again = execute(TRAIN, tmp_path / "bp-s1", params)
+    assert not again.skipped and again.status == "complete", again.error
+    kept = records.load_record(tmp_path / "bp-s1")
+    assert kept["kind"] == "conv" and kept["rows"] == record["rows"] == {"epoch": 2}
+    for key in ("expect", "work", "data", "final", "created", "config"):
+        assert kept[key] == record[key], key
 
 
 def test_a_finished_run_whose_notebook_never_finished_is_executed_again(tmp_path):
