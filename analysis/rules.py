@@ -129,8 +129,16 @@ def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:
     """A table with runs and the columns ``caller`` reads, or a ValueError/KeyError saying so."""
     missing = [c for c in columns if c not in table.columns]
     if missing:
-        raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table; columns: "
-                       f"{', '.join(map(str, table.columns))}")
+        # records.load_runs names a config field config.<field>; the protocol tables
+        # (ProtocolRuns.table()) name it plainly: say which to pass.
+        hints = [f"config.{c}" for c in missing if f"config.{c}" in table.columns]
+        hint = (f"; this table names them {', '.join(hints)} (records.load_runs' names): "
+                f"pass those, or rename them (table.rename(columns={{'config.rule': 'rule'}}))"
+                if hints else "")
+        shown = list(map(str, table.columns))
+        more = f", ... ({len(shown)} in all)" if len(shown) > 20 else ""
+        raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table{hint}; "
+                       f"columns: {', '.join(shown[:20])}{more}")
     if not len(table):
         raise ValueError(f"{caller}: the table has no runs (one row per run is expected: "
                          "ProtocolRuns.table())")

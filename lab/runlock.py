@@ -36,6 +36,7 @@ import errno
 import fcntl
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,15 @@ def check_writable_dir(out, name: str, purpose: str = "the run") -> None:
         where = what if existing == out else f"{existing}, where it would be made,"
         raise ConfigError(f"{name} {out}: {where} is not writable; choose a directory you can "
                           "write to")
+    # os.access trusts permission bits (all of them pass for root): a read-only mount or a
+    # pseudo file system such as /proc refuses the write itself. One empty probe says.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lab-probe-", dir=existing))
+    except OSError as err:
+        where = what if existing == out else f"{existing}, where it would be made,"
+        raise ConfigError(f"{name} {out}: nothing can be written in {where} "
+                          f"({err.strerror or err}); choose a directory you can write to") \
+            from None
 
 
 def check_run_dir(out, name: str = "out_dir") -> None:
@@ -200,7 +210,8 @@ def check_run_dir(out, name: str = "out_dir") -> None:
     blank ``out`` is. So is a directory inside another run's directory (that run would
     list it as its own and ``--force`` would move it aside with it), and one that already
     holds run directories (a directory of runs, such as a sweep's ``out``, is no run).
-    The cost is one stat per ancestor and one listing of ``out``: no walk of a tree.
+    The cost is one stat per ancestor and a walk of ``out`` at most ``HELD_DEPTH`` levels
+    deep that stops at the first run and never enters one.
     """
     if isinstance(out, str) and not out.strip():
         raise ConfigError(f"{name} {out!r} is blank, which would mean the working directory; "
@@ -245,21 +256,35 @@ def enclosing_run(path) -> Path | None:
     return next((p for p in (here, *here.parents) if (p / RECORD_FILE).is_file()), None)
 
 
-def _a_run_inside(directory: Path) -> str | None:
-    """The name of one run directory directly inside ``directory`` (it holds a record, or
-    a live process holds its lock before the first record), or None."""
-    try:
-        entries = sorted(os.scandir(directory), key=lambda e: e.name)
-    except OSError:  # unreadable: check_writable_dir has said what it can
-        return None
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            if not entry.is_dir():
+# How deep below a new run's directory a run is looked for: a sweep's runs lie one level
+# below its out, and runs/ (the README's layout) holds sweeps' outs, so two; four leaves
+# room for a grouping level or two.
+HELD_DEPTH = 4
+
+
+def _a_run_inside(directory: Path, depth: int = HELD_DEPTH) -> str | None:
+    """The path, relative to ``directory``, of one run directory below it (it holds a
+    record, or a live process holds its lock before the first record), at most ``depth``
+    levels down, nearest level first; or None. Runs are not entered."""
+    level = [Path(directory)]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            except OSError:  # unreadable: check_writable_dir has said what it can
                 continue
-            child = Path(entry.path)
-            if (child / RECORD_FILE).is_file() or \
-                    ((child / LOCK_FILE).is_file() and holder(child) is not None):
-                return entry.name
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if not entry.is_dir():
+                        continue
+                    child = Path(entry.path)
+                    if (child / RECORD_FILE).is_file() or \
+                            ((child / LOCK_FILE).is_file() and holder(child) is not None):
+                        return str(child.relative_to(directory))
+                    if not entry.is_symlink():  # (a link may lead back up: not walked)
+                        below.append(child)
+        level = below
     return None
 
 

@@ -325,6 +325,16 @@ def test_rule_figures_and_bill_refuse_an_empty_table(runs):
         compare.compute_bill(table.drop(columns="rule"), root)
     with pytest.raises(KeyError, match=r"accuracy_bars: column\(s\) final.nope not in the table"):
         compare.accuracy_bars(table, "final.nope")
+    # records.load_runs' table names config fields config.<field>: the error says so, and
+    # lists at most 20 columns, not hundreds
+    wide = table.rename(columns={"rule": "config.rule"}).assign(
+        **{f"final.x{i}": 0.0 for i in range(40)})
+    with pytest.raises(KeyError, match=r"column\(s\) rule not in the table; this table names "
+                                       r"them config.rule \(records.load_runs' names\): pass "
+                                       r"those, or rename them .*\.\.\. \(\d+ in all\)"):
+        compare.compute_bill(wide, root)
+    renamed = compare.compute_bill(wide.rename(columns={"config.rule": "rule"}), root)
+    assert renamed.equals(compare.compute_bill(table, root))
 
 
 def _rule_x_decay_data(drop_bp_at=None):

@@ -313,6 +313,51 @@ def test_check_run_dir_refuses_a_blank_path_a_nested_run_and_a_directory_of_runs
         runlock.check_run_dir(tmp_path / "sweep")
 
 
+def test_check_run_dir_finds_runs_levels_below_but_not_too_deep(tmp_path):
+    # runs/ as the README lays it out holds sweeps' outs, which hold the runs: a run
+    # two levels down makes runs/ a directory of runs as surely as one level down.
+    from lab.config import ConfigError
+
+    def run_at(*parts):
+        where = tmp_path.joinpath(*parts)
+        records.save_run(where, records.new_record(run_id=parts[-1], kind="notebook",
+                                                   config={}))
+
+    run_at("runs", "demo", "rule-bp_seed-0")
+    (tmp_path / "runs" / "empty" / "deeper").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"out_dir \S+/runs already holds run directories "
+                                          r"\(e.g. demo/rule-bp_seed-0\)"):
+        runlock.check_run_dir(tmp_path / "runs")
+    # nearest level first; runs are not entered (a run's own files are no runs)
+    run_at("runs", "near")
+    with pytest.raises(ConfigError, match=r"\(e.g. near\)"):
+        runlock.check_run_dir(tmp_path / "runs")
+    run_at("far", *"abc", "run")  # HELD_DEPTH levels down: found
+    assert runlock.HELD_DEPTH == 4
+    with pytest.raises(ConfigError, match=r"\(e.g. a/b/c/run\)"):
+        runlock.check_run_dir(tmp_path / "far")
+    run_at("farther", *"abcd", "run")  # beyond: not walked
+    runlock.check_run_dir(tmp_path / "farther")
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "up").symlink_to(tmp_path / "loop")  # a link back up: not walked
+    runlock.check_run_dir(tmp_path / "loop")
+
+
+def test_check_writable_dir_probes_a_write_the_permission_bits_allow(tmp_path):
+    # /proc passes os.access for root, yet nothing can be made there.
+    import os
+
+    from lab.config import ConfigError
+
+    said = (r"nothing can be written in /proc, where it would be made, \(.+\); choose"
+            if os.access("/proc", os.W_OK | os.X_OK)  # (root; otherwise the bits say)
+            else r"/proc, where it would be made, is not writable")
+    with pytest.raises(ConfigError, match=rf"^--out /proc/lab-x: {said}"):
+        runlock.check_writable_dir("/proc/lab-x", "--out")
+    runlock.check_writable_dir(tmp_path / "new" / "run", "--out")
+    assert [p.name for p in tmp_path.iterdir()] == []  # the probe leaves nothing
+
+
 def test_run_moved_names_where_the_directory_is_now(tmp_path):
     old, new = tmp_path / "a", tmp_path / "b"
     watch = runlock.DirWatch(old.mkdir() or old)
