@@ -65,6 +65,8 @@ import re
 import socket
 import subprocess
 import tempfile
+import warnings
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
@@ -800,6 +802,26 @@ def _old_run_id(root, path: Path) -> dict:
     return {"run_id": parts[-1]} if parts and MOVED_ASIDE.search(parts[-1]) else {}
 
 
+def _distinct_run_ids(root, ids: list[tuple[Path, str]], caller: str) -> dict[Path, str]:
+    """Replacement run ids for runs under ``root`` that share one (two protocols' outs,
+    each with its ``rule-bp_seed-0``; two ``lab run --out`` runs named alike in different
+    folders): each becomes its directory's path below ``root``, so a groupby on run_id
+    never averages different runs, with a warning naming them. ``ids``: (record path,
+    run_id) pairs; returns {record path: new run_id} for those that change."""
+    seen = Counter(run_id for _, run_id in ids)
+    shared = {run_id for run_id, count in seen.items() if count > 1}
+    if not shared:
+        return {}
+    new = {path: Path(path).parent.relative_to(root).as_posix()
+           for path, run_id in ids if run_id in shared}
+    warnings.warn(f"{caller}: {len(new)} runs under {root} share a run_id "
+                  f"({', '.join(sorted(map(repr, shared)))}); their run_id here is their "
+                  f"directory below {root} ({', '.join(sorted(new.values())[:6])}"
+                  f"{', ...' if len(new) > 6 else ''}), so they stay apart; load one "
+                  "protocol's out to keep the recorded ids", stacklevel=3)
+    return new
+
+
 def _raise_collected(problems: list[tuple[Path, str]], what: str) -> None:
     # Each message already starts with its file's path.
     lines = "\n".join(f"  - {message}" for _, message in problems)
@@ -896,6 +918,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
         _raise_collected(problems, "run records")
     if not rows:
         return pd.DataFrame(columns=list(RUN_COLUMNS))
+    apart = _distinct_run_ids(root, [(Path(row["path"]) / RECORD_FILE, row["run_id"])
+                                     for row in rows], "load_runs")
+    for row in rows:
+        row["run_id"] = apart.get(Path(row["path"]) / RECORD_FILE, row["run_id"])
     frame = pd.DataFrame(rows)
     extra = sorted(c for c in frame.columns if c.startswith("config.")) + sorted(
         c for c in frame.columns if c.startswith("final.")
@@ -958,15 +984,21 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     not a bool, is a TypeError naming it."""
     _check_path_arg(root, "load_metrics", "root", _RUNS)
     include_old = check_flag(include_old, "load_metrics", "include_old")
-    frames, problems = [], []
+    frames, problems, ids = [], [], []
     for path in _record_paths(root, include_old):
         try:
-            frames.append(run_metrics(path).assign(**_old_run_id(root, path)))
+            frame = run_metrics(path).assign(**_old_run_id(root, path))
         except RecordError as err:
             problems.append((path, str(err)))
+            continue
+        frames.append((path, frame))
+        if len(frame):
+            ids.append((path, frame["run_id"].iat[0]))
     if problems:
         _raise_collected(problems, "runs' metrics")
-    frames = [frame for frame in frames if len(frame)]
+    apart = _distinct_run_ids(root, ids, "load_metrics")
+    frames = [frame.assign(run_id=apart[path]) if path in apart else frame
+              for path, frame in frames if len(frame)]
     if not frames:
         return _tidy_frame([])
     return pd.concat(frames, ignore_index=True).astype(_TIDY_DTYPES)

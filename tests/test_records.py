@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import warnings
 
 import pandas as pd
 import pytest
@@ -607,3 +608,30 @@ def test_keyword_flags_are_bools_not_truthy_values(base_record, tmp_path):
     assert "trajectory" not in records.load_record(tmp_path / "r", rows=False)
     with_rows = records.load_record(tmp_path / "r", rows=True)
     assert len(with_rows["trajectory"]) == with_rows["rows"]["epoch"] > 0
+
+
+def test_runs_sharing_a_run_id_in_different_folders_stay_apart(base_record, tmp_path):
+    # Two protocols' outs each hold a rule-bp_seed-0 (or two `lab run --out` runs are
+    # named alike in different folders): a groupby on run_id averaged the two runs.
+    first = filled(base_record, run_id="seed-0", status="complete")
+    second = filled(base_record, run_id="seed-0", status="complete")
+    for row in second["trajectory"]:
+        row["loss"] += 0.25  # a different run
+    records.save_run(tmp_path / "protoA" / "seed-0", first)
+    records.save_run(tmp_path / "protoB" / "seed-0", second)
+    records.save_run(tmp_path / "protoB" / "other", filled(base_record, run_id="other",
+                                                           status="complete"))
+    with pytest.warns(UserWarning, match=r"load_runs: 2 runs under .* share a run_id "
+                                         r"\('seed-0'\); their run_id here is their directory"):
+        runs = records.load_runs(tmp_path)
+    assert sorted(runs["run_id"]) == ["other", "protoA/seed-0", "protoB/seed-0"]
+    with pytest.warns(UserWarning, match=r"load_metrics: 2 runs .* share a run_id"):
+        metrics = records.load_metrics(tmp_path)
+    assert set(metrics["run_id"]) == set(runs["run_id"])
+    for run_id, record in (("protoA/seed-0", first), ("protoB/seed-0", second)):
+        mine = metrics[(metrics["run_id"] == run_id) & (metrics["metric"] == "loss")]
+        assert list(mine["value"]) == [row["loss"] for row in record["trajectory"]]
+    # one protocol's out alone keeps the recorded ids, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(records.load_runs(tmp_path / "protoA")["run_id"]) == ["seed-0"]
