@@ -165,7 +165,9 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
             run_frames.append(runs)
             metric_frames.append(records.load_metrics(run_dir))
         except records.RecordError as err:
-            problems.append((run_dir / records.RECORD_FILE, str(err)))
+            # load_runs / load_metrics collect their problems under a header of their
+            # own: take the problems, so the message has one header and a line per run
+            problems += err.problems or [(run_dir / records.RECORD_FILE, str(err))]
     if problems:
         lines = "\n".join(f"  - {message}" for _, message in problems)
         raise records.RecordError(f"{len(problems)} run records could not be read (fix or "

@@ -99,6 +99,25 @@ def test_every_gap_is_listed_in_one_error(fixture_copy):
     assert all(problem in message for problem in problems)
 
 
+def test_unreadable_runs_are_listed_under_one_header(fixture_copy):
+    # load_runs / load_metrics collect their own problems under a header: the protocol's
+    # error once repeated that header inside its own, per run.
+    runs = fixture_copy / "runs"
+    part = next((runs / "lr-0.05_rule-bp_seed-0" / "rows" / "epoch").iterdir())
+    part.write_text("".join(part.read_text().splitlines(keepends=True)[:2]))
+    (runs / "lr-0.2_rule-bp_seed-1" / "record.json").write_text("{")
+    with pytest.raises(records.RecordError) as err:
+        load_protocol_runs(fixture_copy / "protocol.yaml")
+    message = str(err.value)
+    assert message.startswith("2 run records could not be read (fix or remove them; none "
+                              "were skipped):\n  - "), message
+    assert message.count("could not be read") == 1 and message.count("\n  - ") == 2
+    assert "lr-0.05_rule-bp_seed-0/record.json: field '<part " in message
+    assert "lr-0.2_rule-bp_seed-1/record.json" in message
+    assert [Path(p).parent.name for p, _ in err.value.problems] == [
+        "lr-0.05_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1"]
+
+
 def test_missing_runs_directory_lists_every_run(fixture_copy):
     shutil.rmtree(fixture_copy / "runs")
     data = load_protocol_runs(fixture_copy / "protocol.yaml")
