@@ -15,6 +15,7 @@ covers (a collapsed network's mean can be one population's cosine).
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import pandas as pd
@@ -142,9 +143,25 @@ def final_table(data) -> pd.DataFrame:
     return stats.join(groups.size().rename("seeds"))
 
 
+def _epoch_metric(data, metric, function: str, what: str = "metric") -> None:
+    """A per-epoch metric the runs recorded, or a ValueError naming those they did: a
+    mistyped name once gave an empty frame and a blank figure in a finished report."""
+    have = set(data.metrics.loc[data.metrics["axis"] == "epoch", "metric"])
+    if metric not in have:
+        close = difflib.get_close_matches(metric, have, n=3)
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        # summaries (a population mean, a top-level value) before per-population names
+        names = sorted(have, key=lambda n: (not (n.endswith("/mean") or "/" not in n), n))
+        shown = ", ".join(names[:30]) + (f", ... ({len(names) - 30} more)"
+                                         if len(names) > 30 else "")
+        raise ValueError(f"{function}: no run recorded the per-epoch {what} {metric!r}"
+                         f"{hint}; recorded per epoch: {shown or 'none'}")
+
+
 def epoch_frame(data, metric: str) -> pd.DataFrame:
     """Mean over seeds per (condition, epoch) of one per-epoch metric."""
     table = _table(data)
+    _epoch_metric(data, metric, "epoch_frame")
     rows = data.metrics[(data.metrics["axis"] == "epoch") & (data.metrics["metric"] == metric)]
     rows = rows.merge(table[["run_id", CONDITION]], on="run_id")
     return rows.groupby([CONDITION, "index"])["value"].mean().unstack(CONDITION)
@@ -153,6 +170,9 @@ def epoch_frame(data, metric: str) -> pd.DataFrame:
 def ratio_frame(data, numerator: str, denominator: str) -> pd.DataFrame:
     """Per condition and epoch, the mean over seeds of RMS(numerator) / RMS(denominator)."""
     table = _table(data)
+    for signal in (numerator, denominator):
+        _epoch_metric(data, f"rule/apical/rms_{signal}/mean", "ratio_frame",
+                      f"RMS of signal {signal!r}, metric")
     m = data.metrics[data.metrics["axis"] == "epoch"]
     wide = m[m["metric"].isin([f"rule/apical/rms_{numerator}/mean",
                                f"rule/apical/rms_{denominator}/mean"])]

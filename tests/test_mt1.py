@@ -186,3 +186,15 @@ def test_a_quantity_undefined_in_one_seed_is_counted_not_hidden(data):
     assert row["predictor_residual_ratio/mean"] == pytest.approx(float(other.iloc[0]), abs=0)
     assert row["test_acc/n"] == 2
     assert (table["seeds"] == table["test_acc/n"]).all()
+
+
+def test_a_mistyped_metric_or_signal_is_named_not_an_empty_figure(data):
+    with pytest.raises(ValueError, match=r"^epoch_frame: no run recorded the per-epoch metric "
+                                         r"'rule/feedback/mean_cso' \(did you mean "
+                                         r"'rule/feedback/mean_cos'.*\?\); recorded per "
+                                         r"epoch: epoch_wall_s, .*\.\.\. \(\d+ more\)$"):
+        mt1.epoch_frame(data, "rule/feedback/mean_cso")
+    with pytest.raises(ValueError, match=r"^ratio_frame: no run recorded the per-epoch RMS of "
+                                         r"signal 'nope', metric 'rule/apical/rms_nope/mean'; "
+                                         r"recorded per epoch: .*rule/apical/rms_traffic/mean"):
+        mt1.ratio_frame(data, "nope", "traffic")
