@@ -195,6 +195,7 @@ def test_a_mistyped_metric_or_signal_is_named_not_an_empty_figure(data):
                                          r"epoch: epoch_wall_s, .*\.\.\. \(\d+ more\)$"):
         mt1.epoch_frame(data, "rule/feedback/mean_cso")
     with pytest.raises(ValueError, match=r"^ratio_frame: no run recorded the per-epoch RMS of "
-                                         r"signal 'nope', metric 'rule/apical/rms_nope/mean'; "
-                                         r"recorded per epoch: .*rule/apical/rms_traffic/mean"):
+                                         r"signal 'nope', metric 'rule/apical/rms_nope/mean' "
+                                         r"\(did you mean .*\); recorded per epoch: .*"
+                                         r"rule/apical/rms_traffic/mean"):
         mt1.ratio_frame(data, "nope", "traffic")
