@@ -169,13 +169,16 @@ def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str
         raise TypeError(f"per_name_over_epochs: prefix must be the start of metric names (a "
                         f"non-empty str), e.g. 'alignment/update_cos/', got {prefix!r} "
                         f"({type(prefix).__name__})")
+    # A family is named up to its last "/": 'alignment/update_cos' means its members
+    # (without the slash every name came out as '/blocks.0.conv1').
+    given, prefix = prefix, prefix if prefix.endswith("/") else prefix + "/"
     rows = _epoch_rows(metrics, table, prefix)
     if not len(rows) and prefix not in PER_NAME_PREFIXES:
         there = metrics.loc[(metrics["axis"] == "epoch")
                             & metrics["run_id"].isin(set(table["run_id"])), "metric"]
         shown = ", ".join(map(repr, _prefixes(there))) or "none"
         raise ValueError(f"per_name_over_epochs: no field of any run of the table starts with "
-                         f"{prefix!r} on the epoch axis; prefixes there: {shown}")
+                         f"{given!r} on the epoch axis; prefixes there: {shown}")
     out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean()
     return out.reset_index().rename(columns={"index": "epoch"})
 
@@ -261,13 +264,20 @@ def _own_record(runs_dir, run_id: str) -> dict:
         if (Path(runs_dir) / run_id / records.RECORD_FILE).is_file() else None
     if record is not None and record.get("run_id") == run_id:
         return record
-    runs = records.load_runs(runs_dir)
-    paths = list(runs.loc[runs["run_id"] == run_id, "path"])
+    # by the ids the records hold (load_runs would rename ids that two runs share)
+    paths = [p.parent for p in sorted(Path(runs_dir).glob(f"*/{records.RECORD_FILE}"))
+             if records.load_record(p.parent, rows=False).get("run_id") == run_id]
+    if not paths:
+        there = ("is not that run" if (Path(runs_dir) / run_id).exists()
+                 else "does not exist")
+        raise ValueError(f"compute_bill: no directory of {runs_dir} holds run {run_id!r} "
+                         f"({runs_dir}/{run_id} {there}); give the runs directory of the "
+                         f"protocol the table comes from (its out)")
     if len(paths) != 1:
-        where = ", ".join(map(str, paths)) or "none"
         raise ValueError(f"compute_bill: run {run_id!r} is not the run in {runs_dir}/{run_id}, "
-                         f"and {len(paths)} directories of {runs_dir} hold it ({where}); "
-                         "give each run its own directory, named by its run id")
+                         f"and {len(paths)} directories of {runs_dir} hold it "
+                         f"({', '.join(map(str, paths))}); give each run its own directory, "
+                         "named by its run id")
     return records.load_record(paths[0], rows=False)
 
 

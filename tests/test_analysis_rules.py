@@ -451,6 +451,12 @@ def test_per_name_over_epochs_names_an_unknown_prefix():
                                          r"table starts with 'alignment/bogus' on the epoch "
                                          rf"axis; prefixes there: {shown}$"):
         compare.per_name_over_epochs(data.metrics, table, "alignment/bogus")
+    # A family named without its last slash means its members (names once came out as
+    # '/blocks.0.conv1')
+    bare = compare.per_name_over_epochs(data.metrics, table, "alignment/update_cos")
+    assert bare.equals(compare.per_name_over_epochs(data.metrics, table,
+                                                    "alignment/update_cos/"))
+    assert len(bare) and not bare["name"].str.startswith("/").any()
     # Only the table's runs count: kp's feedback cosines are not bp's.
     bp = table[table["rule"] == "bp"]
     with pytest.raises(ValueError, match=r"starts with 'rule/feedback/rel_err/' .*; prefixes "
@@ -584,3 +590,7 @@ def test_compute_bill_reads_each_run_from_its_own_directory(tmp_path):
     with pytest.raises(ValueError, match=r"compute_bill: run 'rule-bp_seed-0' is not the run in "
                                          r".*rule-bp_seed-0, and 2 directories of .* hold it"):
         compare.compute_bill(table, runs_dir)
+    with pytest.raises(ValueError, match=r"compute_bill: no directory of \S+ holds run "
+                                         r"'rule-bp_seed-0' \(\S+/rule-bp_seed-0 does not "
+                                         r"exist\); give the runs directory of the protocol"):
+        compare.compute_bill(table, tmp_path / "elsewhere")
