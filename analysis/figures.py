@@ -61,6 +61,21 @@ def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
     axis = next((name for name in AXES if trajectory and name in trajectory[0]), "epoch")
     xs = [row.get(axis) for row in trajectory]
+    have = sorted({key for row in trajectory for key in row})
+    for group in fields:
+        grouped = [f for f in group if any(isinstance(row.get(f), dict) for row in trajectory)]
+        if grouped:
+            inner = sorted({k for row in trajectory for k in (row.get(grouped[0]) or {})})
+            raise TypeError(f"run_curves: field {grouped[0]!r} is a group of fields "
+                            f"({listing(inner, 8)}), not one; these rows keep it nested "
+                            f"(load_metrics names its members {grouped[0]}/<name>): draw "
+                            f"members from the tidy metrics with curve_bands")
+        if not any(row.get(f) is not None for f in group for row in trajectory):
+            # One missing field is normal (a run without validation has no val_loss);
+            # a panel with none of its fields is a typo, or the other axis's rows.
+            raise ValueError(f"run_curves: no row has any of {', '.join(map(repr, group))}; "
+                             f"the rows' fields: {listing(have, 20)} (names with '/', as "
+                             f"load_metrics gives them, are nested here: use curve_bands)")
     for ax, group in zip(axes, fields):
         for field in group:
             points = [(x, row.get(field)) for x, row in zip(xs, trajectory)
@@ -138,12 +153,29 @@ def curve_bands(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequence
                         f"({type(field).__name__})")
     _check_axis(axis)
     _check_fields("curve_bands", metrics, table, [field], axis)
+    if axis is None:
+        _one_axis("curve_bands", metrics, table, field)
     axis = axis or row_axis(metrics, [field])
     rows = metrics[(metrics["axis"] == axis) & (metrics["metric"] == field)]
     labels = table.assign(group=[group_label(r, group_keys) for _, r in table.iterrows()])
     rows = rows.merge(labels[["run_id", "group"]], on="run_id")
     stats = rows.groupby(["group", "index"])["value"].agg(["mean", "std", "count"])
     return stats.rename(columns={"count": "n"}).reset_index().rename(columns={"index": axis})
+
+
+def _one_axis(function: str, metrics: pd.DataFrame, table: pd.DataFrame, field: str) -> None:
+    """With no ``axis`` given, the table's runs must log ``field`` on one axis: a conv
+    run logs train_loss per epoch, an EP or CfC run per step, and a table of both once
+    drew the epoch runs alone, the others gone without a word."""
+    rows = metrics[(metrics["metric"] == field) & metrics["run_id"].isin(set(table["run_id"]))]
+    on = {axis: set(rows.loc[rows["axis"] == axis, "run_id"]) for axis in AXES}
+    step_only = sorted(on["step"] - on["epoch"])
+    if on["epoch"] and step_only:
+        raise ValueError(f"{function}: the table's runs log {field!r} on different axes: "
+                         f"{len(on['epoch'])} per epoch ({listing(sorted(on['epoch']), 4)}), "
+                         f"{len(step_only)} per step only ({listing(step_only, 4)}); pass "
+                         f"axis='epoch' or axis='step' (runs without that axis are left "
+                         f"out), or split the table by its kind column")
 
 
 _METRICS = "the tidy metrics table (ProtocolRuns.metrics or lab.records.load_metrics)"
@@ -222,6 +254,9 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
     check_tables("learning_curves", metrics, table, group_keys)
     _check_axis(axis)
     _check_fields("learning_curves", metrics, table, fields, axis)
+    if axis is None:
+        for field in fields:
+            _one_axis("learning_curves", metrics, table, field)
     fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
     axes = fig.subplots(1, len(fields), squeeze=False)[0]
     for ax, field in zip(axes, fields):

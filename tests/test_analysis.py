@@ -1040,3 +1040,36 @@ def test_a_summary_for_one_kind_names_another_trainers_runs():
         check_kind(conv, "ep", "20-ep-summary", "EP against its twin")
     check_kind(load_protocol_runs(fixtures / "ep" / "protocol.yaml"), "ep", "x", "y")
     check_kind(conv, "conv", "x", "y")
+
+
+def test_run_curves_names_a_panel_of_unknown_or_grouped_fields():
+    rows = records.load_record(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-0")["trajectory"]
+    # one field missing from a panel is normal (no val_loss without validation) ...
+    assert run_curves(rows, [("train_loss", "no_such")]).get_axes()[0].lines
+    # ... a panel with none of its fields is a typo, not an empty panel
+    with pytest.raises(ValueError, match=r"^run_curves: no row has any of 'train_los', "
+                                         r"'val_los'; the rows' fields: .*'train_loss'"):
+        run_curves(rows, [("train_loss",), ("train_los", "val_los")])
+    nested = [dict(row, alignment={"mean_update_cos": 0.5, "fc": 0.1}) for row in rows]
+    with pytest.raises(TypeError, match=r"^run_curves: field 'alignment' is a group of fields "
+                                        r"\('fc', 'mean_update_cos'\), not one"):
+        run_curves(nested, [("alignment",)])
+
+
+def test_curves_of_runs_on_different_axes_name_the_runs_left_out(tmp_path):
+    # A conv run logs train_loss per epoch, an EP run per step: the band of the two once
+    # showed the conv runs alone, the EP runs gone without a word.
+    for run in ("summary/runs/lr-0.05_rule-bp_seed-0", "ep/runs/beta-0.1_seed-0"):
+        shutil.copytree(ROOT / "tests" / "fixtures" / run, tmp_path / Path(run).name)
+    runs, metrics = records.load_runs(tmp_path), records.load_metrics(tmp_path)
+    said = (r"the table's runs log 'train_loss' on different axes: 1 per epoch "
+            r"\('lr-0.05_rule-bp_seed-0'\), 1 per step only \('beta-0.1_seed-0'\); pass "
+            r"axis='epoch' or axis='step'")
+    with pytest.raises(ValueError, match=rf"^curve_bands: {said}"):
+        curve_bands(metrics, runs, ["kind"], "train_loss")
+    with pytest.raises(ValueError, match=rf"^learning_curves: {said}"):
+        learning_curves(metrics, runs, ["kind"], ["train_loss"])
+    step = curve_bands(metrics, runs, ["kind"], "train_loss", axis="step")
+    assert set(step["group"]) == {"kind=ep"}
+    one_kind = runs[runs["kind"] == "conv"]
+    assert set(curve_bands(metrics, one_kind, ["kind"], "train_loss")["group"]) == {"kind=conv"}
