@@ -90,6 +90,18 @@ def listing(values, limit: int = 12) -> str:
     return shown + more if values else "none"
 
 
+def config_twins(missing, columns) -> str:
+    """A hint for columns a table lacks under their plain names but holds as
+    ``config.<name>`` (``records.load_runs`` names config fields so; the protocol tables
+    of ``ProtocolRuns.table()`` name them plainly), or ""."""
+    twins = [f"config.{c}" for c in missing if f"config.{c}" in set(columns)]
+    if not twins:
+        return ""
+    return (f"; this table names them {', '.join(map(repr, twins))} (records.load_runs' "
+            f"names): pass those, or rename them (table.rename(columns="
+            f"{{'config.{missing[0]}': '{missing[0]}'}}))")
+
+
 def check_kind(data, kind: str, caller: str, needs: str) -> None:
     """Refuse a protocol whose runs another trainer made: a summary written for ``kind``
     runs would otherwise fail on the first field they lack (a bare KeyError) or call

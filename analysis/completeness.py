@@ -114,7 +114,12 @@ def _row_problems(run_id: str, rows: pd.DataFrame, expect: dict,
         problems.append(f"{run_id}: {axis}s {spans(extra, stride)} beyond the declared "
                         f"{count} rows of stride {stride}")
     have = set(wanted) & present
-    for name in list(expect.get("metrics", ())) + row_metrics:
+    # A field the run declares periodic (val_acc every eval_every epochs) is due at its
+    # cadence only, even when the caller asks for it: asked at every row, a run that
+    # validates every 2 epochs was "incomplete" for good.
+    periodic = {name for name, _, _ in expect.get("periodic", ())}
+    asked = [name for name in row_metrics if name not in periodic]
+    for name in dict.fromkeys(list(expect.get("metrics", ())) + asked):
         problems += _field_problems(run_id, rows, axis, name, have, stride, undefined)
     for name, every, offset in expect.get("periodic", ()):
         due = {v for v in have if (v - offset) % every == 0}

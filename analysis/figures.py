@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from lab.records import TIDY_COLUMNS
 
-from .checks import check_group_keys, dataframe, listing, names
+from .checks import check_group_keys, config_twins, dataframe, listing, names
 
 _PANEL = (4.2, 3.2)
 
@@ -201,7 +201,8 @@ def check_tables(function: str, metrics, table, group_keys: list[str],
                          f"{listing(metrics.columns)}{hint}")
     lacking = [column for column in ["run_id", *group_keys] if column not in table.columns]
     if lacking:
-        raise ValueError(f"{function}: table lacks column(s) {listing(lacking)}: it must be "
+        raise ValueError(f"{function}: table lacks column(s) {listing(lacking)}"
+                         f"{config_twins(lacking, table.columns)}: it must be "
                          f"{_TABLE}, with run_id and the group keys; got columns "
                          f"{listing(table.columns)}{hint}")
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from lab import records
 
-from .checks import check_group_keys
+from .checks import check_group_keys, config_twins, listing
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
 from .figures import check_tables
@@ -129,16 +129,9 @@ def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:
     """A table with runs and the columns ``caller`` reads, or a ValueError/KeyError saying so."""
     missing = [c for c in columns if c not in table.columns]
     if missing:
-        # records.load_runs names a config field config.<field>; the protocol tables
-        # (ProtocolRuns.table()) name it plainly: say which to pass.
-        hints = [f"config.{c}" for c in missing if f"config.{c}" in table.columns]
-        hint = (f"; this table names them {', '.join(hints)} (records.load_runs' names): "
-                f"pass those, or rename them (table.rename(columns={{'config.rule': 'rule'}}))"
-                if hints else "")
-        shown = list(map(str, table.columns))
-        more = f", ... ({len(shown)} in all)" if len(shown) > 20 else ""
-        raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table{hint}; "
-                       f"columns: {', '.join(shown[:20])}{more}")
+        raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table"
+                       f"{config_twins(missing, table.columns)}; columns: "
+                       f"{listing(table.columns, 20)}")
     if not len(table):
         raise ValueError(f"{caller}: the table has no runs (one row per run is expected: "
                          "ProtocolRuns.table())")

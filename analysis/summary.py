@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab.records import RUN_COLUMNS
 
-from .checks import check_group_keys, dataframe, listing, names
+from .checks import check_group_keys, config_twins, dataframe, listing, names
 
 _ALL = "all runs"
 _STATS = ("mean", "std", "n")
@@ -102,8 +102,9 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     metrics = names(metrics, "metrics", "column names")
     missing = [c for c in group_keys + metrics if c not in table.columns]
     if missing:
-        raise KeyError(f"summarize: column(s) {', '.join(missing)} not in the table; "
-                       f"columns: {', '.join(map(str, table.columns))}")
+        raise KeyError(f"summarize: column(s) {', '.join(missing)} not in the table"
+                       f"{config_twins(missing, table.columns)}; columns: "
+                       f"{listing(table.columns, 20)}")
     made = ["n"] + [f"{metric}/{stat}" for metric in metrics for stat in _STATS]
     clashes = [key for key in group_keys if key in made]
     if clashes:
@@ -149,6 +150,12 @@ def _std_text(std: float, digits: int) -> str:
     return f"{std:.{digits}f}"
 
 
+def _mean_text(mean: float, digits: int) -> str:
+    # The std's rule for a mean too small for the decimals (an MT-1 residual ratio of
+    # 1.6e-09 read "0.0000": a nonzero mean shown as zero)
+    return _std_text(mean, digits)
+
+
 def _cell(mean: float, std: float, count: int, digits: int) -> str:
     if count == 0:
         return "no value"
@@ -157,8 +164,9 @@ def _cell(mean: float, std: float, count: int, digits: int) -> str:
     if math.isinf(mean):
         return f"{mean:.{digits}f}" + (" (no std: a value is infinite)" if count > 1 else "")
     if math.isnan(std):
-        return f"{mean:.{digits}f}" + (" (no std: a value is not finite)" if count > 1 else "")
-    return f"{mean:.{digits}f} ± {_std_text(std, digits)}"
+        return _mean_text(mean, digits) + (" (no std: a value is not finite)" if count > 1
+                                           else "")
+    return f"{_mean_text(mean, digits)} ± {_std_text(std, digits)}"
 
 
 def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
@@ -167,10 +175,11 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     The group-key columns come first, as :func:`summarize` made them (any name). The
     mean has ``digits`` decimals; so has the std, unless that would show it with fewer
     than two significant digits: then it has 3 significant figures (``0.9998 ± 3.6e-05``,
-    not ``± 0.0000``). A metric with fewer values than runs in its group (NaN left out,
-    see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``; an infinite value reads
-    ``inf (no std: a value is infinite)``, +inf and -inf in one group
-    ``undefined: +inf and -inf among the values``.
+    not ``± 0.0000``); a mean that small likewise (``1.4e-09 ± 2.83e-10``, not a
+    nonzero mean shown as ``0.0000``). A metric with fewer values than runs in its
+    group (NaN left out, see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``; an
+    infinite value reads ``inf (no std: a value is infinite)``, +inf and -inf in one
+    group ``undefined: +inf and -inf among the values``.
 
     ``summary`` must be :func:`summarize`'s output (it has the ``n`` column); any other
     table, e.g. the runs table itself, is a ValueError saying so.

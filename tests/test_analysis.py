@@ -705,6 +705,13 @@ def test_a_small_std_is_shown_with_significant_figures_not_as_zero():
     assert all(len(c.split(" ± ")[1]) == 6 for c in text["final.val_loss"])
     exact = pd.DataFrame({"g": ["a", "a"], "v": [0.5, 0.5]})
     assert format_mean_std(summarize(exact, ["g"], ["v"])).loc[0, "v"] == "0.5000 ± 0.0000"
+    # a mean too small for the decimals gets the std's rule (MT-1's residual ratio of
+    # 1.6e-09 read "0.0000": a nonzero mean shown as zero); zero stays 0.0000
+    tiny = pd.DataFrame({"run_id": list("abcd"), "g": ["x", "x", "y", "z"],
+                         "v": [1.6e-9, 1.2e-9, 3e-9, 0.0]})
+    cells = list(format_mean_std(summarize(tiny, ["g"], ["v"]))["v"])
+    assert cells == [f"{1.4e-9:.3g} ± {statistics.stdev([1.6e-9, 1.2e-9]):.3g}",
+                     f"{3e-9:.3g}", "0.0000"]
 
 
 def test_infinities_in_a_group_are_named_not_shown_as_a_plain_number():

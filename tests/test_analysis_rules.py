@@ -330,9 +330,18 @@ def test_rule_figures_and_bill_refuse_an_empty_table(runs):
     wide = table.rename(columns={"rule": "config.rule"}).assign(
         **{f"final.x{i}": 0.0 for i in range(40)})
     with pytest.raises(KeyError, match=r"column\(s\) rule not in the table; this table names "
-                                       r"them config.rule \(records.load_runs' names\): pass "
-                                       r"those, or rename them .*\.\.\. \(\d+ in all\)"):
+                                       r"them 'config.rule' \(records.load_runs' names\): pass "
+                                       r"those, or rename them .*\.\.\. \(\d+ more\)"):
         compare.compute_bill(wide, root)
+    # summarize and the curves say the same
+    from analysis import curve_bands, summarize
+
+    with pytest.raises(KeyError, match=r"summarize: column\(s\) rule not in the table; this "
+                                       r"table names them 'config.rule'"):
+        summarize(wide, ["rule"], ["final.test_acc"])
+    with pytest.raises(ValueError, match=r"^curve_bands: table lacks column\(s\) 'rule'; this "
+                                         r"table names them 'config.rule'"):
+        curve_bands(_rules_data().metrics, wide, ["rule"], "train_loss")
     renamed = compare.compute_bill(wide.rename(columns={"config.rule": "rule"}), root)
     assert renamed.equals(compare.compute_bill(table, root))
 

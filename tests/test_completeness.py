@@ -117,8 +117,13 @@ def test_a_periodic_field_is_required_only_where_it_is_due(tables):
     runs, metrics = tables
     due = sorted(set(metrics[(metrics["metric"] == "val_loss")]["index"]))
     assert due == [0, 20, 40]  # every 20 steps from 0
+    # asked for by name (10-summary's trajectory_fields), it is still due at its cadence
+    # only: asked at every row, a run validating every 20 steps was incomplete for good
+    assert find_problems(runs, metrics, IDS, ["train_loss", "val_loss"]) == []
     metrics = _drop(metrics, IDS[1], "val_loss", 20)
     assert _problems(runs, metrics) == [f"{IDS[1]}: field 'val_loss' missing at steps 20"]
+    assert _problems(runs, metrics, row_metrics=["val_loss"]) == [
+        f"{IDS[1]}: field 'val_loss' missing at steps 20"]
 
 
 def test_final_fields_missing_or_non_finite_are_named(tables):
