@@ -592,9 +592,15 @@ def rule_layers(model):
     ("fa", {"feedback_seed": 2**63}, r"feedback_seed=9223372036854775808 is out of range; "
      r"allowed: \[0, 9223372036854775807\]"),
     ("kp", {"mirror_every": 3}, r"rule 'kp' has no parameter\(s\) 'mirror_every'; it takes "
-     r"feedback_scale, feedback_seed \(changing a config's rule"),
+     r"feedback_scale, feedback_seed; 'mirror_every': parameter\(s\) of rule rrm / wm \(to "
+     r"train with it: -p rule rrm, or rule='rrm'\) \(changing a config's rule"),
     ("bp", {"feedback_scale": 1.0}, r"rule 'bp' has no parameter\(s\) 'feedback_scale'; it "
      r"takes no parameters"),
+    # a rule's parameter without that rule: the rules that take it are named
+    ("bp", {"traffic_rule": "matched"}, r"rule 'bp' has no parameter\(s\) 'traffic_rule'; it "
+     r"takes no parameters; 'traffic_rule': parameter\(s\) of rule kp_traffic / sdil \(to "
+     r"train with it: -p rule kp_traffic, or rule='kp_traffic'\)"),
+    ("fa", {"nope": 1}, r"'nope'; it takes feedback_scale, feedback_seed \(changing"),
     ("fa", ["feedback_scale"], r"rule 'fa': params must be a mapping of parameter names to "
      r"values or a FeedbackParams, got \['feedback_scale'\] \(list\)"),
 ])

@@ -75,10 +75,16 @@ def rule_params(name: str, params=None):
     unknown = sorted(set(params or {}) - set(known))
     if unknown:
         takes = (f"it takes {', '.join(known)}" if known else "it takes no parameters")
+        # The usual slip: a rule's parameter given without choosing that rule.
+        owners = sorted(r for r, c in RULES.items()
+                        if set(unknown) <= set(field_names(c.Params)))
+        shown = " / ".join(owners[:4]) + (" / ..." if len(owners) > 4 else "")
+        whose = (f"; {', '.join(map(repr, unknown))}: parameter(s) of rule {shown} (to train "
+                 f"with it: -p rule {owners[0]}, or rule={owners[0]!r})" if owners else "")
         raise ConfigError(
-            f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes} "
-            "(changing a config's rule with dataclasses.replace? pass rule_params for the new "
-            "rule too, e.g. replace(config, rule=..., rule_params={}))")
+            f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes}"
+            f"{whose} (changing a config's rule with dataclasses.replace? pass rule_params for "
+            "the new rule too, e.g. replace(config, rule=..., rule_params={}))")
     try:
         made = from_dict(cls.Params, dict(params or {}))
         validate(made)  # again if its __post_init__ did: a custom Params may not
