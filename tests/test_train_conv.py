@@ -574,8 +574,8 @@ def test_switching_the_rule_with_replace_names_the_params_to_pass():
     with pytest.raises(ConfigError, match=r"ConvConfig.rule_params: rule 'bp' has no "
                                           r"parameter\(s\) 'feedback_scale', 'feedback_seed'; it "
                                           r"takes no parameters; .* \(changing a config's rule "
-                                          r"with dataclasses.replace\? pass rule_params for the new "
-                                          r"rule too"):
+                                          r"with dataclasses.replace\? pass rule_params for the "
+                                          r"new rule too"):
         dataclasses.replace(ConvConfig(rule="fa"), rule="bp")
     assert dataclasses.replace(ConvConfig(rule="fa"), rule="bp", rule_params={}).rule == "bp"
 
