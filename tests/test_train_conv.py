@@ -338,14 +338,18 @@ def _legacy_rows(rows):
     return out
 
 
-def _close(a, b):
-    """Equal, except that float64 cosines may differ in the last bit between machines."""
+def _close(a, b, rel=1e-6):
+    """Equal, except for the last bits that differ between machines: float64 cosines in
+    the last bit, and float32 sums (a loss averaged over batches) in the last bits where
+    the CPUs' vector units differ (AVX-512 against AVX2 sum in another order: 5e-8 and
+    1e-7 here, on a loss and a test loss). Anything the training changes moves far more
+    (a wrong step changes the second epoch's loss in the third digit)."""
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(map(_close, a, b))
     if isinstance(a, float) and isinstance(b, float):
-        return a == b or abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+        return a == b or abs(a - b) <= rel * max(abs(a), abs(b))
     return a == b
 
 
@@ -363,7 +367,8 @@ def test_records_written_before_the_lifecycle_port_are_reproduced(tmp_path, run_
             assert align.pop("teaching_defined") == len(align["teaching_cos"])
     assert _close(records.without_timings(_legacy_rows(old["trajectory"])),
                   records.without_timings(rows))
-    assert new["final"] == old["final"]
+    assert _close(new["final"], old["final"])
+    assert new["final"].keys() == old["final"].keys()
     assert new["work"]["macs"]["forward"] == old["work"]["macs"]["forward"]
 
 
