@@ -329,6 +329,10 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
 
     from . import records
 
+    if not isinstance(target, str | os.PathLike):
+        raise TypeError(f"runs_table: target must be a path (a directory of runs, a run's "
+                        f"record.json or a protocol .yaml), got {target!r} "
+                        f"({type(target).__name__})")
     target = Path(target)
     expected = None
     if target.suffix in (".yaml", ".yml"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1013,3 +1014,12 @@ def test_lab_runs_names_another_trainers_run_in_a_protocols_out(tmp_path, capsys
 
     assert stale_runs(load_protocol(protocol))[victim.name] == (
         "it holds an ep run, and the protocol's notebook makes conv runs")
+
+
+@pytest.mark.parametrize("target", [3, None, ["runs"]])
+def test_runs_table_names_a_target_that_is_not_a_path(target):
+    from lab.cli import runs_table
+
+    with pytest.raises(TypeError, match=rf"^runs_table: target must be a path \(a directory of "
+                                        rf"runs, .*got {re.escape(repr(target))} "):
+        runs_table(target)
