@@ -185,9 +185,8 @@ def _start_pool() -> None:
     starting it once torch's pool runs resets the count torch reports and uses, so a
     caller who had set ``torch.set_num_threads(1)`` (jobs side by side) found torch
     on every core after the first kernel call, the two pools oversubscribing the
-    cores. Started
-    lazily, at the first CPU kernel call (not at import: a process that forks after
-    starting an OpenMP pool can hang its children).
+    cores. Started lazily, at the first CPU kernel call (not at import: a process
+    that forks after starting an OpenMP pool can hang its children).
     """
     import numba
 
@@ -289,13 +288,13 @@ _increment_version = torch._C._increment_version  # what _mark_written calls, mi
 def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
     """``mixed_apical`` on contiguous CPU tensors of one dtype and right shapes, else None.
 
-    The callers' hot path: it hands the kernel data pointers (``cpu.mixed_apical_at``)
+    The callers' hot path: it hands the kernel data pointers (``cpu._mixed_at_parallel``)
     instead of numpy views, in one frame, reading as few tensor attributes as it can.
     Why so lean: at ResNet-20's smallest population the kernel takes about 0.3 ms, and
     each call finds the Python objects involved out of cache (a training step, like the
     benchmark, streams megabytes between calls), where every attribute read and frame
     costs several times its warm price: the first version of this path (numpy views,
-    five 0-d results, helper functions) cost 60-75 us there, this one about 30.
+    five 0-d results, helper functions) cost 60-75 us there, this one 40-50.
     Not asked, on purpose: an input's grad (one that requires grad is read as the
     checked path reads its ``.detach()``, the same memory) and the layout (a sparse or
     mkldnn tensor has no data pointer: the RuntimeError sends it to the checked path,
