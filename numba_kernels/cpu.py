@@ -382,172 +382,176 @@ L_M, L_MX, L_Q, L_QX = 4, 5, 6, 7
 L_SUMS = 8
 
 
-def _make_local(rule):
-    # One compiled pair of slab loops per rule (no rule branch inside a loop: the loops
-    # vectorise). A slab is one example's slice of one channel, contiguous, length S.
-    # The slab loops take the whole (B, Ch, S) arrays and the slab's (e, ch), not slices:
-    # at S = 64 (a ResNet-20's last stage) building ten array views per slab cost more
-    # than the slab's arithmetic.
-    @njit(cache=True, inline="always")
-    def used(i, t, r, n, f):
-        if rule == RAW:
-            return r
-        if rule == INNOVATION:
-            return n
-        if rule == MATCHED:
-            return f * r  # R * ||N_e|| / ||R_e||, as mixed_apical rounds it
-        return i
+# Numba's cache keys a closure by its code and the pickled values of its closure
+# cells, and a dispatcher pickles with a uuid drawn per process: a closure that holds
+# another compiled function misses the cache in every new process (recompiling for
+# tens of seconds, and adding an entry to the index each time). So every function
+# here is a module function, and the kernels' only closure values are the rule code
+# and the loop kind. The rule reaches the slab loops as a literal (a closure constant
+# stays one through calls), and the output flags too, so numba compiles one instance
+# of each slab loop per rule and set of outputs and prunes the other branches: no
+# branch is left inside a loop (what lets it vectorise), and the serial and parallel
+# kernels call the same compiled loops (two compilations of one reassociated loop may
+# vectorise it differently).
+@njit(cache=True, inline="always")
+def _used(i, t, r, n, f, rule):
+    if rule == RAW:
+        return r
+    if rule == INNOVATION:
+        return n
+    if rule == MATCHED:
+        return f * r  # R * ||N_e|| / ||R_e||, as mixed_apical rounds it
+    return i
 
-    @njit(cache=True, inline="always")
-    def element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero):
-        # One element of slab (e, ch), as both passes see it: the instruction, the
-        # signals, the ReLU mask, the masked scaled used signal m and the normalised
-        # layer output xhat. Inlined into each slab loop in numba's IR, so the loop's
-        # fastmath flags apply to it.
-        i, hv = I[e, ch, j], H[e, ch, j]
-        t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
-        on = hv > zero
-        m = scale * used(i, t, r, n, f) if on else zero
-        xh = (O[e, ch, j] - mu) * istd
-        return i, t, r, n, on, m, xh
 
-    @njit(cache=True, fastmath={"reassoc", "contract"})
-    def sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero):
-        # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
-        # instruction q.
-        s_m = s_mx = s_q = s_qx = zero
-        for j in range(I.shape[2]):
-            i, t, r, n, on, m, xh = element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
-                                            zero)
+@njit(cache=True, inline="always")
+def _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero, rule):
+    # One element of slab (e, ch) as both passes see it: the instruction, the signals,
+    # the ReLU mask, the masked scaled used signal m and the normalised layer output
+    # xhat. A slab is one example's slice of one channel, contiguous, length S. The
+    # loops take the whole (B, Ch, S) arrays and the slab's (e, ch), not slices: at
+    # S = 64 (a ResNet-20's last stage) building ten views per slab cost more than
+    # the slab's arithmetic. Inlined in numba's IR, so the loop's fastmath flags
+    # (``reassoc``, ``contract``, as in mixed_apical's chunk loops) apply to it.
+    i, hv = I[e, ch, j], H[e, ch, j]
+    t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
+    on = hv > zero
+    m = scale * _used(i, t, r, n, f, rule) if on else zero
+    xh = (O[e, ch, j] - mu) * istd
+    return i, t, r, n, on, m, xh
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _slab_sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero, rule):
+    # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
+    # instruction q.
+    s_m = s_mx = s_q = s_qx = zero
+    for j in range(I.shape[2]):
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
+                                         zero, rule)
+        q = scale * i if on else zero
+        s_m += m
+        s_mx += m * xh
+        s_q += q
+        s_qx += q * xh
+    return s_m, s_mx, s_q, s_qx
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd, kac,
+                zero, rule, want_inst, want_masked):
+    # Pass 2 over slab (e, ch), with the signals' sums of squares: this pass waits on
+    # its stores, pass 1 on its reductions, so the squares ride here nearly free.
+    # out = k (m - mean m - xhat mean(m xhat)); inst the same for q; masked = I where
+    # h > 0. Without a norm k = 1, the means are 0 and mu = istd = 0, so out = m
+    # exactly.
+    k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
+    s_i = s_t = s_r = s_n = zero
+    for j in range(I.shape[2]):
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
+                                         zero, rule)
+        OUT[e, ch, j] = k * (m - a - xh * c)
+        if want_inst:
             q = scale * i if on else zero
-            s_m += m
-            s_mx += m * xh
-            s_q += q
-            s_qx += q * xh
-        return s_m, s_mx, s_q, s_qx
+            INST[e, ch, j] = k * (q - aq - xh * cq)
+        if want_masked:
+            MASKED[e, ch, j] = i if on else zero
+        s_i += i * i
+        s_t += t * t
+        s_r += r * r
+        s_n += n * n
+    return s_i, s_t, s_r, s_n
 
-    def make_write(want_inst, want_masked):
-        # Pass 2, one loop per set of outputs (chosen at compile time, so no branch is
-        # left in the loop to keep it from vectorising), with the signals' sums of
-        # squares: this pass waits on its stores, pass 1 on its reductions, so the
-        # squares ride here nearly free.
-        @njit(cache=True, fastmath={"reassoc", "contract"})
-        def write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd, kac,
-                  zero):
-            # out = k (m - mean m - xhat mean(m xhat)); inst the same for q; masked = I
-            # where h > 0. Without a norm k = 1, the means are 0 and mu = istd = 0, so
-            # out = m exactly.
-            k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
-            s_i = s_t = s_r = s_n = zero
-            for j in range(I.shape[2]):
-                i, t, r, n, on, m, xh = element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu,
-                                                istd, zero)
-                OUT[e, ch, j] = k * (m - a - xh * c)
-                if want_inst:
-                    q = scale * i if on else zero
-                    INST[e, ch, j] = k * (q - aq - xh * cq)
-                if want_masked:
-                    MASKED[e, ch, j] = i if on else zero
-                s_i += i * i
-                s_t += t * t
-                s_r += r * r
-                s_n += n * n
-            return s_i, s_t, s_r, s_n
-        return write
 
-    write_u, write_ui = make_write(False, False), make_write(True, False)
-    write_um, write_uim = make_write(False, True), make_write(True, True)
+@njit(cache=True, inline="always")
+def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                   has_norm, e, part, zero, rule):
+    # Example e, channels in memory order: writes, and the slabs' sums of squares into
+    # part[e] (float64).
+    f = fac[e]
+    for ch in range(I.shape[1]):
+        mu = mean[ch] if has_norm else zero
+        sd = istd[ch] if has_norm else zero
+        # the set of outputs (an absent one has S = 0) picks the compiled loop
+        if inst.shape[2] and masked.shape[2]:
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
+                            zero, rule, True, True)
+        elif inst.shape[2]:
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
+                            zero, rule, True, False)
+        elif masked.shape[2]:
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
+                            zero, rule, False, True)
+        else:
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
+                            zero, rule, False, False)
+        for q in range(4):
+            part[e, ch, q] = x[q]
 
-    @njit(cache=True, inline="always")
-    def example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                      has_norm, e, part, zero):
-        # Example e, channels in memory order: writes, and the slabs' sums of squares
-        # into part[e] (float64). The set of outputs (an absent one has S = 0) picks
-        # the compiled loop.
-        f = fac[e]
-        for ch in range(I.shape[1]):
-            mu = mean[ch] if has_norm else zero
-            sd = istd[ch] if has_norm else zero
-            args = (I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac, zero)
-            if inst.shape[2] and masked.shape[2]:
-                x = write_uim(*args)
-            elif inst.shape[2]:
-                x = write_ui(*args)
-            elif masked.shape[2]:
-                x = write_um(*args)
-            else:
-                x = write_u(*args)
-            for q in range(4):
-                part[e, ch, q] = x[q]
 
-    @njit(cache=True, inline="always")
-    def example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero):
-        # Example e, channels in memory order: its per-channel slab sums (input dtype)
-        # into part[e] (float64). A task per example, in memory order: streaming reads.
-        for ch in range(I.shape[1]):
-            mu = mean[ch] if has_norm else zero
-            sd = istd[ch] if has_norm else zero
-            x = sums(I, h, o, gC, d, b, e, ch, fac[e], scale, mu, sd, zero)
-            for q in range(4):
-                part[e, ch, L_M + q] = x[q]
+@njit(cache=True, inline="always")
+def _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
+    # Example e, channels in memory order: its per-channel slab sums (input dtype) into
+    # part[e] (float64). A task per example, in memory order: streaming reads.
+    for ch in range(I.shape[1]):
+        mu = mean[ch] if has_norm else zero
+        sd = istd[ch] if has_norm else zero
+        x = _slab_sums(I, h, o, gC, d, b, e, ch, fac[e], scale, mu, sd, zero, rule)
+        for q in range(4):
+            part[e, ch, L_M + q] = x[q]
 
-    @njit(cache=True)
-    def combine(part, q0, q1, chan):
-        # Channel sums of columns q0:q1: examples added in example order (float64),
-        # walking part in memory order.
+
+@njit(cache=True)
+def _combine(part, q0, q1, chan):
+    # Channel sums of columns q0:q1: examples added in example order (float64), walking
+    # part in memory order. Compiled apart, without fastmath: the order is the contract.
+    for ch in range(part.shape[1]):
+        for q in range(q0, q1):
+            chan[ch, q] = 0.0
+    for e in range(part.shape[0]):
         for ch in range(part.shape[1]):
             for q in range(q0, q1):
-                chan[ch, q] = 0.0
-        for e in range(part.shape[0]):
-            for ch in range(part.shape[1]):
-                for q in range(q0, q1):
-                    chan[ch, q] += part[e, ch, q]
+                chan[ch, q] += part[e, ch, q]
 
-    @njit(cache=True)
-    def factors(chan, gamma, istd, has_norm, count, kac):
-        # Per channel the norm's k = gamma * invstd and the means of m, m xhat, q,
-        # q xhat, rounded to the input dtype.
-        for ch in range(chan.shape[0]):
-            if has_norm:
-                kac[ch, 0] = gamma[ch] * istd[ch]
-                for q in range(4):
-                    kac[ch, 1 + q] = chan[ch, L_M + q] / count
-            else:
-                kac[ch, 0] = 1.0
-                for q in range(1, 5):
-                    kac[ch, q] = 0.0
 
-    @njit(cache=True, parallel=True)
-    def parallel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
-                 has_norm, chan, zero):
-        B, Ch = I.shape[0], I.shape[1]
-        part = np.empty((B, Ch, L_SUMS))
-        for e in prange(B):
-            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
-        combine(part, L_M, L_SUMS, chan)
-        kac = np.empty((Ch, 5), dtype=I.dtype)
-        factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
-        for e in prange(B):
-            example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                          has_norm, e, part, zero)
-        combine(part, 0, L_M, chan)
+@njit(cache=True)
+def _factors(chan, gamma, istd, has_norm, count, kac):
+    # Per channel the norm's k = gamma * invstd and the means of m, m xhat, q, q xhat,
+    # rounded to the input dtype.
+    for ch in range(chan.shape[0]):
+        if has_norm:
+            kac[ch, 0] = gamma[ch] * istd[ch]
+            for q in range(4):
+                kac[ch, 1 + q] = chan[ch, L_M + q] / count
+        else:
+            kac[ch, 0] = 1.0
+            for q in range(1, 5):
+                kac[ch, q] = 0.0
 
-    @njit(cache=True)
-    def serial(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
-               has_norm, chan, zero):
-        B, Ch = I.shape[0], I.shape[1]
-        part = np.empty((B, Ch, L_SUMS))
-        for e in range(B):
-            example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero)
-        combine(part, L_M, L_SUMS, chan)
-        kac = np.empty((Ch, 5), dtype=I.dtype)
-        factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
-        for e in range(B):
-            example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                          has_norm, e, part, zero)
-        combine(part, 0, L_M, chan)
 
-    return serial, parallel
+def _make_local(rule):
+    # One pair of kernels per rule (serial, parallel), the same body. ``rows_of`` is a
+    # closure value, not only the decorator's flag, so the two have two cache entries
+    # (see _make_mixed).
+    def make(rows_of, parallel):
+        @njit(cache=True, parallel=parallel)
+        def kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
+                   has_norm, chan, zero):
+            B, Ch = I.shape[0], I.shape[1]
+            part = np.empty((B, Ch, L_SUMS))
+            for e in rows_of(B):
+                _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part,
+                              zero, rule)
+            _combine(part, L_M, L_SUMS, chan)
+            kac = np.empty((Ch, 5), dtype=I.dtype)
+            _factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
+            for e in rows_of(B):
+                _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd,
+                               kac, has_norm, e, part, zero, rule)
+            _combine(part, 0, L_M, chan)
+        return kernel
+
+    return make(range, False), make(prange, True)
 
 
 _LOCAL = {rule: _make_local(rule) for rule in (RAW, INNOVATION, MATCHED, NONE)}

@@ -1,0 +1,117 @@
+"""Numba's on-disk cache: a new process loads every CPU kernel, it compiles none.
+
+Each training run is a new process (a papermill kernel), so a kernel that misses the
+cache costs every run its compile time (20 s a rule on a slow host) and adds an entry
+to the cache's index each time. The cause found once: numba keys a closure by the
+pickled values of its cells, and a compiled function pickles with a per-process id.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# Every CPU entry point, at a size below and above the serial/parallel threshold, every
+# rule, with and without a norm, each set of mixed_local outputs. float32 only: the
+# closure fault does not depend on the dtype, and each dtype is a compile.
+CALLS = r"""
+import torch, numba_kernels as nk
+from numba_kernels import cpu
+torch.manual_seed(0)
+for shape in [(2, 3, 2, 2), (64, 8, 8, 8)]:
+    assert (shape[0] * shape[1] * shape[2] * shape[3] < cpu.SERIAL_BELOW) == (shape[0] == 2)
+    B, C = shape[:2]
+    x = [torch.randn(shape) for _ in range(3)]
+    u = [torch.randn(shape[1:]) for _ in range(3)]
+    norm = dict(mean=torch.randn(C), invstd=torch.rand(C) + 0.5, gamma=torch.randn(C))
+    for rule in nk.LOCAL_RULES:
+        for kw in ({}, norm):
+            for inst, masked in ((False, False), (True, False), (False, True), (True, True)):
+                nk.mixed_local(x[0], x[1].relu(), x[2], *u[:1], 0.5, *u[1:], rule,
+                               instruction=inst, masked=masked, **kw)
+    flat = [t.reshape(B, -1) for t in x]
+    unit = [t.reshape(-1) for t in u]
+    for rule in nk.RULES:
+        nk.mixed_apical(flat[0], flat[1], unit[0], 0.5, unit[1], unit[2], rule)
+        nk.mixed_apical(flat[0], flat[1], unit[0], 0.5, unit[1], unit[2], rule,
+                        out=torch.empty_like(flat[0]))
+    nk.predictor_update(flat[1], flat[0], unit[1].clone(), unit[2].clone(), 0.1)
+    nk.aux_add(flat[0].clone(), flat[1])
+"""
+
+
+def _run():
+    import os
+
+    env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+    run = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True,
+                         timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_a_second_process_compiles_no_cpu_kernel():
+    # The first process may compile (a fresh clone); the second must load everything.
+    first = _run()
+    assert "[cache] data loaded" in first or "[cache] data saved" in first, first[-2000:]
+    saved = [line for line in _run().splitlines() if "saved" in line]
+    assert not saved, "recompiled in a second process:\n" + "\n".join(saved[:20])
+
+
+def _dispatchers():
+    from numba.core.registry import CPUDispatcher
+
+    from numba_kernels import cpu
+
+    found = {}
+    for name, obj in vars(cpu).items():
+        for i, d in enumerate(obj.values() if isinstance(obj, dict) else [obj]):
+            for j, k in enumerate(d if isinstance(d, tuple) else (d,)):
+                if isinstance(k, CPUDispatcher):
+                    found[f"{name}[{i}][{j}]"] = k
+    return found
+
+
+def test_no_kernel_closure_holds_a_compiled_function():
+    # The cause of the fault above, for every kernel the CPU module makes: closure
+    # values must pickle the same in every process (ints, range, prange), which a
+    # compiled function does not.
+    from numba.core.dispatcher import Dispatcher
+
+    found = _dispatchers()
+    assert len(found) > 20, sorted(found)
+    closures = 0
+    for name, d in found.items():
+        for cell in d.py_func.__closure__ or ():
+            closures += 1
+            assert not isinstance(cell.cell_contents, Dispatcher), (
+                f"{name} holds {cell.cell_contents} in its closure: numba's cache "
+                "misses it in every new process")
+    assert closures >= 8  # the per-rule kernels are closures; the check saw them
+
+
+def test_local_kernels_take_the_rule_and_outputs_as_literals():
+    # The slab loops carry no rule or output branch only because the rule and the
+    # output flags reach them as literals: plain values would compile one instance
+    # with the branches inside every loop. A fresh compile of the serial kernel
+    # (uncached) types its callees, whose signatures then show what they received.
+    import numba
+    import numpy as np
+
+    from numba_kernels import cpu
+
+    kernel = numba.njit(cpu._LOCAL[cpu.RAW][0].py_func)
+    a = np.ones((2, 3, 4), dtype=np.float32)
+    u = np.ones((3, 4), dtype=np.float32)
+    none = np.zeros((2, 3, 0), dtype=np.float32)
+    z = np.zeros(1, dtype=np.float32)
+    chan = np.empty((3, cpu.L_SUMS))
+    kernel(a, a, a, np.empty_like(a), none, none, u, u, u, np.ones(2, np.float32),
+           np.float32(1), z, z, z, False, chan, np.float32(0))
+    assert chan[:, 0].tolist() == [8.0] * 3  # sum of I^2 per channel: 2 examples x 4
+    for f, at in ((cpu._slab_write, -3), (cpu._slab_sums, -1)):
+        assert f.signatures, f
+        for sig in f.signatures:
+            assert str(sig[at]) == f"Literal[int]({cpu.RAW})", (f, sig)
+    assert {str(s[-1]) for s in cpu._slab_write.signatures} <= {"Literal[bool](True)",
+                                                                 "Literal[bool](False)"}
