@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	# Notebooks run on kernel "python3"; this one runs the venv's interpreter (absolute path).
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c 'import lab, torch; print("installed lab with torch", torch.__version__)'
+	# Every CPU kernel compiled once into numba's cache (about 1.5 min on 2 cores), so
+	# no training run pays it; runs are new processes that would each compile.
+	$(PY) -m numba_kernels.warm
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,8 +44,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Two pytest-xdist workers: the suite takes about 13 minutes in one process on a
-# 2-core machine with slow memory, about 8 with two.
+# 2-core machine with slow memory, about 8 with two. The float64 kernels the tests
+# use are compiled first, once, rather than by both workers at the same time.
 test: $(STAMP) lint
+	$(PY) -m numba_kernels.warm --float64
 	$(PY) -m pytest -q -n 2
 
 # Mutation testing of the rules, diagnostics, trainers and kernels (not part of

@@ -11,41 +11,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-# Every CPU entry point, at a size below and above the serial/parallel threshold, every
-# rule, with and without a norm, each set of mixed_local outputs. float32 only: the
-# closure fault does not depend on the dtype, and each dtype is a compile.
-CALLS = r"""
-import torch, numba_kernels as nk
-from numba_kernels import cpu
-torch.manual_seed(0)
-for shape in [(2, 3, 2, 2), (64, 8, 8, 8)]:
-    assert (shape[0] * shape[1] * shape[2] * shape[3] < cpu.SERIAL_BELOW) == (shape[0] == 2)
-    B, C = shape[:2]
-    x = [torch.randn(shape) for _ in range(3)]
-    u = [torch.randn(shape[1:]) for _ in range(3)]
-    norm = dict(mean=torch.randn(C), invstd=torch.rand(C) + 0.5, gamma=torch.randn(C))
-    for rule in nk.LOCAL_RULES:
-        for kw in ({}, norm):
-            for inst, masked in ((False, False), (True, False), (False, True), (True, True)):
-                nk.mixed_local(x[0], x[1].relu(), x[2], *u[:1], 0.5, *u[1:], rule,
-                               instruction=inst, masked=masked, **kw)
-    flat = [t.reshape(B, -1) for t in x]
-    unit = [t.reshape(-1) for t in u]
-    for rule in nk.RULES:
-        nk.mixed_apical(flat[0], flat[1], unit[0], 0.5, unit[1], unit[2], rule)
-        nk.mixed_apical(flat[0], flat[1], unit[0], 0.5, unit[1], unit[2], rule,
-                        out=torch.empty_like(flat[0]))
-    nk.predictor_update(flat[1], flat[0], unit[1].clone(), unit[2].clone(), 0.1)
-    nk.aux_add(flat[0].clone(), flat[1])
-"""
-
 
 def _run():
     import os
 
     env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
-    run = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True,
-                         timeout=900, env=env)
+    # every CPU entry point, every rule, serial and parallel sizes (float32: the fault
+    # does not depend on the dtype, and each dtype is a compile)
+    run = subprocess.run([sys.executable, "-m", "numba_kernels.warm"], capture_output=True,
+                         text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -54,6 +28,7 @@ def test_a_second_process_compiles_no_cpu_kernel():
     # The first process may compile (a fresh clone); the second must load everything.
     first = _run()
     assert "[cache] data loaded" in first or "[cache] data saved" in first, first[-2000:]
+    assert "numba kernels compiled or loaded from the cache in" in first
     saved = [line for line in _run().splitlines() if "saved" in line]
     assert not saved, "recompiled in a second process:\n" + "\n".join(saved[:20])
 
