@@ -28,11 +28,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The demo protocols on a local Dask cluster, each followed by its report notebook
-# rendered to HTML under reports/ (the paths are printed): bp on MNIST-1D with two
-# seeds, every learning rule x 3 seeds at demo size, then one quick protocol per
-# system: MT-1 (kp_traffic), the EP transformer with its backprop twin, CfC with
-# the auxiliary path. Each full protocol is one `lab sweep` away (see README).
-DEMO_PROTOCOLS := demo rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick
+# rendered to HTML under reports/ (the paths are printed): every learning rule x 2
+# seeds at demo size (bp among them), then one quick protocol per other system:
+# MT-1 (kp_traffic), the EP transformer with its backprop twin, CfC with the
+# auxiliary path. Each full protocol is one `lab sweep` away (see README), the
+# backprop baseline at its full recipe too (`lab sweep protocols/demo.yaml`).
+DEMO_PROTOCOLS := rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick
 demo: $(STAMP)
 	for p in $(DEMO_PROTOCOLS); do \
 	  $(VENV)/bin/lab sweep protocols/$$p.yaml && \

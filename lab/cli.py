@@ -267,10 +267,16 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     for run_dir in record_dirs:
         try:
             runs = records.load_runs(run_dir)
+            # the rows too (by line count): a finished run whose row store was cut short
+            # is not "complete", as load_metrics and `lab report` would find (a live run
+            # may be replacing its parts)
+            own = runs[[Path(p) == run_dir for p in runs["path"]]]
+            if len(own) and not (own["status"] == "running").any():
+                records.check_stored_rows(run_dir)
         except records.RecordError as err:
             unreadable.append((run_dir, str(err)))
             continue
-        frames.append(runs[[Path(p) == run_dir for p in runs["path"]]])  # not nested runs
+        frames.append(own)  # not nested runs
     frames = [frame for frame in frames if len(frame)]
     if not frames:
         return pd.DataFrame(columns=list(records.RUN_COLUMNS)), unreadable

@@ -581,6 +581,34 @@ def read_rows(run_dir, axis: str, count: int) -> list[dict]:
     return rows
 
 
+def check_stored_rows(run_dir) -> None:
+    """Every counted row of each axis is in the run's row store, by line count only.
+
+    The cheap check ``lab runs`` makes of every run it lists (``read_rows`` parses every
+    row; a sweep's listing should not): each part of the chain that holds rows [0, count)
+    ends with a newline and has one line per row it names. A truncated or emptied part
+    (a disk that filled, a copy cut short) is a RecordError naming it, as
+    ``load_metrics`` would give.
+    """
+    run_dir = Path(run_dir)
+    record_path = run_dir / RECORD_FILE
+    record = _read_record(record_path)
+    if record["schema_version"] == 1:  # rows inside the record: read with it
+        return
+    for axis, count in record["rows"].items():
+        for start, end, path in _chain(run_dir, axis, count, record_path):
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
+                      "a part written by lab.records.write_part (rerun the run)")
+            lines = data.count(b"\n")
+            if lines != end - start or not data.endswith(b"\n"):
+                _fail(record_path, f"<part {path.name}>",
+                      f"{lines} complete lines ({len(data)} bytes)",
+                      f"{end - start} rows, as its name says (truncated? rerun the run)")
+
+
 # ---------------------------------------------------------------------------
 # saving and loading runs
 

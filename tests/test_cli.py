@@ -280,6 +280,34 @@ def test_one_unreadable_record_does_not_hide_the_table(tmp_path, capsys):
     assert "b.old-20261130T170000Z: " in out and "could not be read:\n" not in out
 
 
+@pytest.mark.parametrize("cut", ["half a line", "a whole line", "emptied"])
+def test_runs_lists_a_complete_run_with_a_cut_row_store_as_unreadable(tmp_path, capsys, cut):
+    # `lab runs` read only record.json: a run whose rows were cut short showed
+    # "complete", while load_metrics and `lab report` refused it.
+    for name in ("good", "cut"):
+        record = records.new_record(run_id=name, kind="notebook", config={"x": 1})
+        record.update(status="complete", trajectory=[{"epoch": e, "loss": 1.0 / (e + 1)}
+                                                     for e in range(3)])
+        records.save_run(tmp_path / name, record)
+    (part,) = (tmp_path / "cut" / "rows" / "epoch").iterdir()
+    text = part.read_text()
+    part.write_text({"half a line": text[:-5], "a whole line": "".join(
+        text.splitlines(keepends=True)[:2]), "emptied": ""}[cut])
+    with pytest.raises(records.RecordError):
+        records.load_metrics(tmp_path / "cut")
+    table, unreadable = runs_table(tmp_path)
+    assert table["run_id"].tolist() == ["good"]
+    assert [w for w, _ in unreadable] == ["cut"]
+    (reason,) = [r for _, r in unreadable]
+    lines = {"half a line": 2, "a whole line": 2, "emptied": 0}[cut]
+    assert f"<part {part.name}>" in reason and f"{lines} complete lines" in reason
+    assert "3 rows, as its name says (truncated? rerun the run)" in reason
+    assert cli_main(["runs", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "1 run(s) could not be read:" in out and "good" in out
+    records.check_stored_rows(tmp_path / "good")  # the intact one passes
+
+
 def test_runs_on_a_file(tmp_path, capsys):
     _record(tmp_path / "a", "complete")
     (tmp_path / "notes.txt").write_text("x")

@@ -9,7 +9,8 @@ run lifecycle (``lab.lifecycle``).
 
 Per epoch a row holds training loss/accuracy, validation loss/accuracy, the
 learning rate, the rule's own diagnostics under ``rule`` and, every
-``alignment_every`` epochs, the alignment with backprop; the test split is
+``alignment_every`` epochs and at the last, the alignment with backprop (validation
+too is at its cadence and the last epoch); the test split is
 evaluated exactly once, after the last epoch.
 """
 
@@ -88,10 +89,10 @@ class ConvConfig:
     grad_clip: float = bounded(0.0, 0.0)  # max global grad norm; 0 = off
     # evaluation
     eval_split: str = choice("val", ("val", "test"))
-    eval_every: int = bounded(1, 0)  # epochs between validation passes; 0 = never
+    eval_every: int = bounded(1, 0)  # epochs between validation passes (and the last); 0 = never
     eval_batch_size: int = bounded(1000, 1)
     # diagnostics: alignment with backprop on a fixed probe batch of training examples
-    alignment_every: int = bounded(0, 0)  # epochs between measurements; 0 = never
+    alignment_every: int = bounded(0, 0)  # epochs between measurements (and the last); 0 = never
     alignment_batch: int = bounded(256, 1)
     # run
     seed: int = bounded(0, 0, SEED_MAX)
@@ -368,12 +369,16 @@ def _epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
     start = time.perf_counter()
     row = {**_train_epoch(run, epoch, kind, life), "val_loss": None, "val_acc": None}
     finite = math.isfinite(row["train_loss"])
-    if finite and config.eval_every and (epoch + 1) % config.eval_every == 0:
+    # On the cadence, and at the last epoch too (when the cadence does not divide the
+    # epochs), so the final record always holds the trained network's val and alignment.
+    last = epoch + 1 == config.epochs
+    if finite and config.eval_every and ((epoch + 1) % config.eval_every == 0 or last):
         row["val_loss"], row["val_acc"] = _evaluate(run.model, run.data.val,
                                                     config.eval_batch_size)
     row["rule"] = run.rule.epoch_metrics()
     row["alignment"] = None
-    if finite and config.alignment_every and (epoch + 1) % config.alignment_every == 0:
+    if finite and config.alignment_every and ((epoch + 1) % config.alignment_every == 0
+                                              or last):
         probe = run.data.train
         n = min(config.alignment_batch, len(probe.y))
         row["alignment"] = alignment(run.model, run.rule, probe.x[:n], probe.y[:n])
