@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -477,6 +478,31 @@ def _interrupt_deferred():
         raise KeyboardInterrupt
 
 
+def _check_report_owner(out: Path, base: str, name: str, source: str) -> None:
+    """Refuse to replace a report another protocol file made under the same name.
+
+    Reports are named after the protocol's ``name``; a protocol copied and edited
+    without renaming would silently overwrite the other's report. The executed notebook
+    of the last report records the protocol it was given (its papermill parameters); a
+    report whose protocol file no longer exists (moved, renamed) is replaced.
+    """
+    from .notebook import OUTPUT_NOTEBOOK
+
+    for directory in (out / base, out / f"{base}.failed"):
+        try:
+            nb = json.loads((directory / OUTPUT_NOTEBOOK).read_text(encoding="utf-8"))
+            other = nb["metadata"]["papermill"]["parameters"]["protocol"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no report there, or not one this command made
+        if isinstance(other, str) and Path(other).is_absolute() and Path(other).is_file() \
+                and Path(other).resolve() != Path(source):
+            raise ConfigError(
+                f"{out / base}.html is the report of {other}, another protocol with the "
+                f"name {name!r}; a report of {source} would replace it. Give "
+                "one of the two protocols its own `name:` (reports, not runs, are named "
+                "after it), or pass --out another reports directory")
+
+
 def _report(args) -> int:
     from .notebook import NotebookError, execute, render_html
     from .sweep import load_protocol, stale_runs
@@ -506,7 +532,8 @@ def _report(args) -> int:
                     f"{len(stale)} run(s) of {protocol.source} are not what the protocol asks "
                     "now, so no report was made (rerun them with `lab sweep --force`):\n"
                     + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
-        params = {"protocol": protocol.source}
+        # absolute: the executed report says which protocol file made it, wherever from
+        params = {"protocol": str(Path(protocol.source).resolve())}
         if args.runs:
             if not Path(args.runs).is_dir():
                 raise NotebookError(f"--runs {args.runs}: no such directory of runs")
@@ -519,6 +546,7 @@ def _report(args) -> int:
                                                   != Path(protocol.report).resolve()):
             base = f"{protocol.name}.{Path(args.notebook).stem}"
         with _report_lock(out, base):
+            _check_report_owner(out, base, protocol.name, params["protocol"])
             # Executed aside, then put in place: a failed report (e.g. incomplete data) never
             # replaces the last good one, neither its HTML nor its executed notebook.
             pending = out / f"{base}.pending"

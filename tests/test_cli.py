@@ -548,6 +548,33 @@ def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_pat
     assert not (tmp_path / "r2").exists()
 
 
+def test_report_of_another_protocol_with_the_same_name_is_refused(tmp_path, capsys):
+    # A protocol copied and edited without a new `name:` wrote the same report file as
+    # the original, silently replacing its report.
+    fixture = tmp_path / "summary"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "summary", fixture)
+    text = (fixture / "protocol.yaml").read_text().replace(
+        "../../../notebooks/01-train-conv.ipynb", str(ROOT / "notebooks" / "01-train-conv.ipynb"))
+    (fixture / "protocol.yaml").write_text(
+        f"{text}report: {ROOT / 'notebooks' / '10-summary.ipynb'}\n")
+    copy = fixture / "copy.yaml"
+    shutil.copy(fixture / "protocol.yaml", copy)
+    reports = tmp_path / "reports"
+    assert cli_main(["report", str(fixture / "protocol.yaml"), "--out", str(reports)]) == 0
+    made = (reports / "fixture.html").read_bytes()
+    capsys.readouterr()
+    assert cli_main(["report", str(copy), "--out", str(reports)]) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"{reports / 'fixture'}.html is the report of {fixture / 'protocol.yaml'}, another " \
+           f"protocol with the name 'fixture'; a report of {copy} would replace it. Give one " \
+           "of the two protocols its own `name:`" in err
+    assert (reports / "fixture.html").read_bytes() == made  # untouched
+    # the same protocol again, and after the original is gone, the copy, replace it
+    assert cli_main(["report", str(fixture / "protocol.yaml"), "--out", str(reports)]) == 0
+    (fixture / "protocol.yaml").rename(fixture / "old.yaml.bak")
+    assert cli_main(["report", str(copy), "--out", str(reports)]) == 0
+
+
 def test_lab_runs_into_a_closed_pipe_is_quiet():
     """`lab runs ... | head`: the reader leaves early; no BrokenPipeError traceback."""
     code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); "
