@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	# Notebooks run on kernel "python3"; this one runs the venv's interpreter (absolute path).
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(PY) -c 'import lab, torch; print("installed lab with torch", torch.__version__)'
-	# Every CPU kernel compiled once into numba's cache (about 1.5 min on 2 cores), so
+	# Every CPU kernel compiled once into numba's cache (about a minute on 2 cores), so
 	# no training run pays it; runs are new processes that would each compile.
 	$(PY) -m numba_kernels.warm
 	touch $(STAMP)

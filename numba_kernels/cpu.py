@@ -386,13 +386,13 @@ L_SUMS = 8
 # cells, and a dispatcher pickles with a uuid drawn per process: a closure that holds
 # another compiled function misses the cache in every new process (recompiling for
 # tens of seconds, and adding an entry to the index each time). So every function
-# here is a module function, and the kernels' only closure values are the rule code
-# and the loop kind. The rule reaches the slab loops as a literal (a closure constant
-# stays one through calls), and the output flags too, so numba compiles one instance
-# of each slab loop per rule and set of outputs and prunes the other branches: no
-# branch is left inside a loop (what lets it vectorise), and the serial and parallel
-# kernels call the same compiled loops (two compilations of one reassociated loop may
-# vectorise it differently).
+# here is a module function, and the kernels' only closure value is the loop kind.
+# The rule reaches the per-example functions and the slab loops as a literal (the
+# kernels branch on it once per example), and the output flags too, so numba
+# compiles one instance of each slab loop per rule and set of outputs and prunes
+# the other branches: no branch is left inside a loop (what lets it vectorise), and
+# the serial and parallel kernels call the same compiled functions (two compilations
+# of one reassociated loop may vectorise it differently).
 @njit(cache=True, inline="always")
 def _used(i, t, r, n, f, rule):
     if rule == RAW:
@@ -463,7 +463,7 @@ def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd
     return s_i, s_t, s_r, s_n
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
                    has_norm, e, part, zero, rule):
     # Example e, channels in memory order: writes, and the slabs' sums of squares into
@@ -489,7 +489,7 @@ def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd,
             part[e, ch, q] = x[q]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
     # Example e, channels in memory order: its per-channel slab sums (input dtype) into
     # part[e] (float64). A task per example, in memory order: streaming reads.
@@ -529,32 +529,66 @@ def _factors(chan, gamma, istd, has_norm, count, kac):
                 kac[ch, q] = 0.0
 
 
-def _make_local(rule):
-    # One pair of kernels per rule (serial, parallel), the same body. ``rows_of`` is a
-    # closure value, not only the decorator's flag, so the two have two cache entries
-    # (see _make_mixed).
-    def make(rows_of, parallel):
-        @njit(cache=True, parallel=parallel)
-        def kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
-                   has_norm, chan, zero):
-            B, Ch = I.shape[0], I.shape[1]
-            part = np.empty((B, Ch, L_SUMS))
-            for e in rows_of(B):
-                _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part,
-                              zero, rule)
-            _combine(part, L_M, L_SUMS, chan)
-            kac = np.empty((Ch, 5), dtype=I.dtype)
-            _factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
-            for e in rows_of(B):
-                _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd,
-                               kac, has_norm, e, part, zero, rule)
-            _combine(part, 0, L_M, chan)
-        return kernel
-
-    return make(range, False), make(prange, True)
+@njit(cache=True)
+def _sums_by_rule(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
+    # The rule, a runtime code in the kernels, as a literal for the compiled loops:
+    # one branch per example.
+    if rule == RAW:
+        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, RAW)
+    elif rule == INNOVATION:
+        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero,
+                      INNOVATION)
+    elif rule == MATCHED:
+        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, MATCHED)
+    else:
+        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, NONE)
 
 
-_LOCAL = {rule: _make_local(rule) for rule in (RAW, INNOVATION, MATCHED, NONE)}
+@njit(cache=True)
+def _write_by_rule(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm, e,
+                   part, zero, rule):
+    if rule == RAW:
+        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                       e, part, zero, RAW)
+    elif rule == INNOVATION:
+        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                       e, part, zero, INNOVATION)
+    elif rule == MATCHED:
+        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                       e, part, zero, MATCHED)
+    else:
+        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
+                       e, part, zero, NONE)
+
+
+def _make_local(rows_of, parallel):
+    # The serial and the parallel kernel: one body, every rule (a branch per example,
+    # not per element). The per-example functions are compiled apart, once per rule,
+    # and shared by the two kernels: numba compiles them once (about 20 s on 2 slow
+    # cores for the four rules), the parallel kernel's parfor shell in about 10 more.
+    # ``rows_of`` is a closure value, not only the decorator's flag, so the two have
+    # two cache entries (see _make_mixed).
+    @njit(cache=True, parallel=parallel)
+    def kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
+               has_norm, chan, zero, rule):
+        B, Ch = I.shape[0], I.shape[1]
+        part = np.empty((B, Ch, L_SUMS))
+        # e as int64 in both kernels: prange's index is unsigned, and the callees would
+        # be compiled a second time for it
+        for e in rows_of(B):
+            _sums_by_rule(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, np.int64(e),
+                          part, zero, rule)
+        _combine(part, L_M, L_SUMS, chan)
+        kac = np.empty((Ch, 5), dtype=I.dtype)
+        _factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
+        for e in rows_of(B):
+            _write_by_rule(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
+                           has_norm, np.int64(e), part, zero, rule)
+        _combine(part, 0, L_M, chan)
+    return kernel
+
+
+_LOCAL = (_make_local(range, False), _make_local(prange, True))  # (serial, parallel)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
@@ -622,7 +656,7 @@ def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, 
         mean = istd = gamma = np.zeros(1, dtype=I.dtype)
         o = h
     chan = np.empty((Ch, L_SUMS))
-    kernel = _LOCAL[rule][0 if I.size < SERIAL_BELOW else 1]
+    kernel = _LOCAL[0 if I.size < SERIAL_BELOW else 1]
     kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma, has_norm,
-           chan, zero)
+           chan, zero, rule)
     return chan, rows

@@ -3,7 +3,7 @@
 Each training run is a new process (a papermill kernel), and numba compiles a kernel
 the first time a process calls it unless its cache holds it. ``make install`` runs
 this module so that the first runs of a sweep (two workers compiling the same kernels
-at once, on a fresh clone) load them instead: about 1.5 minutes of compiling on a
+at once, on a fresh clone) load them instead: about a minute of compiling on a
 2-core machine, once per checkout. It calls every CPU entry point at a size on each
 side of the serial/parallel threshold, every rule, with and without a norm, and each
 set of ``mixed_local`` outputs; float32 by default (what training uses), ``--float64``

@@ -62,31 +62,55 @@ def test_no_kernel_closure_holds_a_compiled_function():
             assert not isinstance(cell.cell_contents, Dispatcher), (
                 f"{name} holds {cell.cell_contents} in its closure: numba's cache "
                 "misses it in every new process")
-    assert closures >= 8  # the per-rule kernels are closures; the check saw them
+    assert closures >= 4  # the serial / parallel kernels are closures; the check saw them
 
 
 def test_local_kernels_take_the_rule_and_outputs_as_literals():
     # The slab loops carry no rule or output branch only because the rule and the
     # output flags reach them as literals: plain values would compile one instance
-    # with the branches inside every loop. A fresh compile of the serial kernel
-    # (uncached) types its callees, whose signatures then show what they received.
+    # with the branches inside every loop. Fresh (uncached) compiles of the serial
+    # kernel and of a per-example function type their callees, whose signatures then
+    # show what they received (the callees themselves may come from the cache).
     import numba
     import numpy as np
 
     from numba_kernels import cpu
 
-    kernel = numba.njit(cpu._LOCAL[cpu.RAW][0].py_func)
+    kernel = numba.njit(cpu._LOCAL[0].py_func)
     a = np.ones((2, 3, 4), dtype=np.float32)
     u = np.ones((3, 4), dtype=np.float32)
     none = np.zeros((2, 3, 0), dtype=np.float32)
     z = np.zeros(1, dtype=np.float32)
+    fac = np.ones(2, np.float32)
     chan = np.empty((3, cpu.L_SUMS))
-    kernel(a, a, a, np.empty_like(a), none, none, u, u, u, np.ones(2, np.float32),
-           np.float32(1), z, z, z, False, chan, np.float32(0))
+    kernel(a, a, a, np.empty_like(a), none, none, u, u, u, fac, np.float32(1), z, z, z,
+           False, chan, np.float32(0), cpu.RAW)
     assert chan[:, 0].tolist() == [8.0] * 3  # sum of I^2 per channel: 2 examples x 4
-    for f, at in ((cpu._slab_write, -3), (cpu._slab_sums, -1)):
-        assert f.signatures, f
-        for sig in f.signatures:
-            assert str(sig[at]) == f"Literal[int]({cpu.RAW})", (f, sig)
-    assert {str(s[-1]) for s in cpu._slab_write.signatures} <= {"Literal[bool](True)",
-                                                                 "Literal[bool](False)"}
+    rules = {f"Literal[int]({code})" for code in (cpu.RAW, cpu.INNOVATION, cpu.MATCHED,
+                                                  cpu.NONE)}
+    part, kac = np.zeros((2, 3, cpu.L_SUMS)), np.ones((3, 5), np.float32)
+    one = np.float32(1)
+    sums_args = (a, a, a, u, u, u, fac, one, z, z, False, 0, part)
+    write_args = (a, a, a, np.empty_like(a), none, none, u, u, u, fac, one, z, z, kac, False,
+                  0, part)
+    for by_rule, args, callee in ((cpu._sums_by_rule, sums_args, cpu._example_sums),
+                                  (cpu._write_by_rule, write_args, cpu._example_write)):
+        numba.njit(by_rule.py_func)(*args, np.float32(0), cpu.RAW)  # a runtime rule code
+        assert {str(sig[-1]) for sig in callee.signatures} == rules, callee
+
+    write = numba.njit(cpu._example_write.py_func)
+    rule = cpu.MATCHED  # a closure constant, as the kernels' branches pass it
+
+    @numba.njit
+    def probe(a, out, inst, none, u, fac, z, kac, part):
+        write(a, a, a, out, inst, none, u, u, u, fac, np.float32(1), z, z, kac, False, 0,
+              part, np.float32(0), rule)
+
+    probe(a, np.empty_like(a), np.empty_like(a), none, u, fac, z, np.ones((3, 5), np.float32),
+          np.zeros((2, 3, cpu.L_SUMS)))
+    (sig,) = write.signatures
+    assert str(sig[-1]) == f"Literal[int]({cpu.MATCHED})"
+    flags = {(str(s[-3]), str(s[-2]), str(s[-1])) for s in cpu._slab_write.signatures}
+    assert {(f"Literal[int]({cpu.MATCHED})", f"Literal[bool]({i})", f"Literal[bool]({m})")
+            for i in (True, False) for m in (True, False)} <= flags, flags
+    assert all(s[-3].__class__.__name__ == "IntegerLiteral" for s in cpu._slab_write.signatures)

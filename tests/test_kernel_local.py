@@ -221,9 +221,9 @@ def test_float32_populations_run_float32_loops():
         for rule in nk.LOCAL_RULES:
             _local(p, rule, stats, instruction=True, masked=True)
             _local(p, rule, {})
-    compiled = [sig for kernels in cpu._LOCAL.values() for kernel in kernels
-                for sig in kernel.signatures if sig[0].dtype == types.float32]
-    assert len(compiled) >= 8  # both forms of all four rules
+    compiled = [sig for kernel in cpu._LOCAL for sig in kernel.signatures
+                if sig[0].dtype == types.float32]
+    assert len(compiled) >= 2  # both forms (every rule in each)
     for sig in compiled:
         scalars = [a for a in sig if isinstance(a, types.Float)]
         assert scalars and all(a == types.float32 for a in scalars), sig
