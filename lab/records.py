@@ -924,6 +924,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     a run in progress and for one whose process was killed; the run's lock tells them
     apart, so a killed run reads "interrupted".
 
+    A run that is not live has its row store checked by line count
+    (:func:`check_stored_rows`): parts cut short make it unreadable, as ``load_metrics``
+    and ``lab runs`` find it, never a "complete" run without all its rows.
+
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
     that declare none). Nested config dicts and final metrics are flattened
@@ -938,8 +942,11 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     rows, problems = [], []
     for path in _record_paths(root, include_old):
         try:
-            rows.append(_run_row(load_record(path, rows=False), path)
-                        | _old_run_id(root, path))
+            row = _run_row(load_record(path, rows=False), path) | _old_run_id(root, path)
+            row["status"] = live_status(row["status"], row["path"])
+            if row["status"] != "running":  # a live run may be replacing its parts
+                check_stored_rows(row["path"])  # a row store cut short: not "complete"
+            rows.append(row)
         except RecordError as err:
             problems.append((path, str(err)))
     if problems:
@@ -956,8 +963,6 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     )
     for column in ("n_rows", "n_epochs"):
         frame[column] = frame[column].astype("int64")
-    frame["status"] = [live_status(status, path)
-                       for status, path in zip(frame["status"], frame["path"])]
     return frame[list(RUN_COLUMNS) + extra]
 
 

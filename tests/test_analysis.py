@@ -177,6 +177,17 @@ def test_summary_is_mean_and_std_over_seeds():
         summarize(data.table(), ["lr"], ["final.nope"])
 
 
+def test_summarize_and_format_refuse_an_empty_table():
+    # a filter that matches no run must not pass as an empty summary
+    table = load_protocol_runs(FIXTURE / "protocol.yaml").table()
+    none = table[table["rule"] == "nope"]
+    with pytest.raises(ValueError, match=r"^summarize: the table has no runs .*filter"):
+        summarize(none, ["lr"], ["final.test_acc"])
+    summary = summarize(table, ["lr"], ["final.test_acc"])
+    with pytest.raises(ValueError, match=r"^format_mean_std: the summary has no rows"):
+        format_mean_std(summary.iloc[:0])
+
+
 def test_figures_draw_a_band_per_group(tmp_path):
     data = load_protocol_runs(FIXTURE / "protocol.yaml")
     table = data.table()

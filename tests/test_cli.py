@@ -306,6 +306,22 @@ def test_runs_lists_a_complete_run_with_a_cut_row_store_as_unreadable(tmp_path, 
     out = capsys.readouterr().out
     assert "1 run(s) could not be read:" in out and "good" in out
     records.check_stored_rows(tmp_path / "good")  # the intact one passes
+    # the library's run table gives the same verdict (a filter on status == "complete"
+    # must not count it), for the run alone and for the directory of runs
+    for root in (tmp_path / "cut", tmp_path):
+        with pytest.raises(records.RecordError, match=rf"<part {part.name}>.*{lines} complete"):
+            records.load_runs(root)
+    assert records.load_runs(tmp_path / "good")["status"].tolist() == ["complete"]
+
+
+def test_load_runs_refuses_a_finished_run_missing_a_row_part(tmp_path):
+    record = records.new_record(run_id="r", kind="notebook", config={"x": 1})
+    record.update(status="complete", trajectory=[{"epoch": e, "loss": 1.0} for e in range(3)])
+    records.save_run(tmp_path / "r", record)
+    (part,) = (tmp_path / "r" / "rows" / "epoch").iterdir()
+    part.unlink()
+    with pytest.raises(records.RecordError, match=r"rows\.epoch"):
+        records.load_runs(tmp_path / "r")
 
 
 def test_runs_on_a_file(tmp_path, capsys):
