@@ -183,6 +183,16 @@ def test_bucket_rates_span_each_bucket():
     torch.testing.assert_close(1 / rates, torch.tensor([1.0, 1.0, 1.0, 10.0, 100.0]))
 
 
+def test_a_cast_model_forms_its_rates_in_its_own_dtype():
+    # the rates were rounded to float32 before a .double(): 1/7 off by 4.5e-8 relative
+    buckets = ((2, 1.0, 1.0), (2, 2.0, 7.0))
+    cell = CfC(2, 4, buckets=buckets).double().cell
+    assert cell.rate.dtype == torch.float64
+    assert cell.rate[3].item() == 1 / 7 and cell.rate[2].item() == 0.5
+    back = CfC(2, 4, buckets=buckets).double().float().cell.rate
+    assert back.dtype == torch.float32 and back[3].item() == torch.tensor(1 / 7).float().item()
+
+
 def test_bad_arguments_are_refused_with_their_values():
     with pytest.raises(ValueError, match=r"mode='fast' is not allowed"):
         CfCCell(2, 3, mode="fast")

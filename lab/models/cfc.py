@@ -75,13 +75,14 @@ def _activation_grad(z: torch.Tensor, a: torch.Tensor, name: str) -> torch.Tenso
     return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * phi
 
 
-def bucket_rates(buckets: tuple[tuple[int, float, float], ...]) -> torch.Tensor:
-    """Per-unit 1/tau: each bucket (units, tau_min, tau_max) log-spaces tau over its units."""
+def bucket_rates(buckets: tuple[tuple[int, float, float], ...], dtype=None) -> torch.Tensor:
+    """Per-unit 1/tau: each bucket (units, tau_min, tau_max) log-spaces tau over its units;
+    formed in float64, then rounded once to ``dtype`` (default: torch's default dtype)."""
     rates = []
     for units, tau_min, tau_max in buckets:
         taus = torch.logspace(math.log10(tau_min), math.log10(tau_max), units, dtype=torch.float64)
         rates.append(1.0 / taus)
-    return torch.cat(rates).float()
+    return torch.cat(rates).to(dtype or torch.get_default_dtype())
 
 
 def check_buckets(buckets, hidden_size: int) -> None:
@@ -136,6 +137,13 @@ class CfCCell(nn.Module):
             # Xavier per head, as ncps does with four separate Linear layers.
             for w in self.heads.weight.detach().split(hidden_size):
                 nn.init.xavier_uniform_(w)
+
+    def _apply(self, fn, recurse=True):
+        # The rates are derived from the buckets: after a cast (``.double()``) form them
+        # again in the new dtype, so a float64 model's 1/7 is not float32's rounded 1/7.
+        super()._apply(fn, recurse)
+        self.rate = bucket_rates(self.buckets, self.rate.dtype).to(self.rate.device)
+        return self
 
     def input_product(self, x: torch.Tensor) -> torch.Tensor:
         """The state-free half of the first backbone product (+ bias), any leading dims."""
