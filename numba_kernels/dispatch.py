@@ -566,8 +566,10 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
             *(absent if t is None else t.numpy() for t in extra), units[0].numpy(), dt(g),
             units[1].numpy(), units[2].numpy(), code, dt(sc),
             *((None,) * 3 if stats is None else (t.numpy() for t in stats)))
+        # the sums of squares as the fast path adds them (numpy), so the two paths agree
+        # bit for bit in float64 too
+        ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
         chan = torch.from_numpy(chan)
-        rows = None if rows is None else torch.from_numpy(rows)
     else:
         from . import gpu
 
@@ -591,7 +593,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
                             arr(rows), arr(part), arr(kac), stream=stream)
         if code != cpu.MATCHED:
             rows = None
-    ss = _local_squares(chan, rows, code)
+        ss = _local_squares(chan, rows, code)
     dgamma = dbeta = None
     if mean is not None:
         dgamma, dbeta = chan[:, cpu.L_MX].to(h.dtype), chan[:, cpu.L_M].to(h.dtype)

@@ -197,17 +197,39 @@ def test_a_norm_without_weight_is_gamma_one():
         assert torch.equal(a.instruction_grad, b.instruction_grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rule", nk.LOCAL_RULES)
-def test_the_short_path_and_the_checked_path_agree_bitwise(rule):
+def test_the_short_path_and_the_checked_path_agree_bitwise(rule, dtype):
     """Plain contiguous CPU tensors take a short path; a gamma that requires grad (it
-    is a parameter) goes through the full checks to the same kernel: equal outputs."""
-    p, stats, _ = _case((9, 4, 3, 5), torch.float32, seed=8)
+    is a parameter) goes through the full checks to the same kernel: equal outputs,
+    the float64 sums of squares included (the paths once added the channels' partials
+    with numpy and with torch: last bits apart)."""
+    p, stats, _ = _case((9, 16, 3, 5), dtype, seed=8)  # 16 channels: numpy, torch sums differ
     kw = dict(scale=0.5, instruction=True, masked=True)
     short = _local(p, rule, stats, **kw)
     checked = _local(p, rule, dict(stats, gamma=stats["gamma"].requires_grad_()), **kw)
     for a, b in zip(short, checked):
         assert torch.equal(a, b)
         assert a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_float32_sums_over_a_long_slab_stay_float64_accurate():
+    """A slab (one example's channel) of 10^6 float32 elements: its sums are formed in
+    chunks whose partials add in float64, as mixed_apical's rows (one float32 run over
+    the slab was 1.7e-5 off in ss_instruction)."""
+    g = torch.Generator().manual_seed(3)
+    S = 1_000_000
+    I, h, o = (torch.randn(1, 1, S, generator=g) for _ in range(3))
+    h = h.abs()
+    C, P, b = (torch.randn(1, S, generator=g) for _ in range(3))
+    stats = dict(mean=o.mean((0, 2)), invstd=1 / o.std((0, 2)), gamma=torch.ones(1))
+    r = nk.mixed_local(I, h, o, C, 0.7, P, b, "raw", **stats)
+    d = {k: v.double() for k, v in dict(I=I, h=h, o=o, C=C, P=P, b=b).items()}
+    ref = nk.mixed_local(d["I"], d["h"], d["o"], d["C"], 0.7, d["P"], d["b"], "raw",
+                         **{k: v.double() for k, v in stats.items()}, backend="torch")
+    for name in ("ss_instruction", "ss_traffic", "ss_raw", "ss_innovation", "ss_used"):
+        assert abs(float(getattr(r, name) / getattr(ref, name)) - 1) < 2e-7, name
+    assert abs(float(r.dbeta.double() / ref.dbeta) - 1) < 5e-7
 
 
 def test_float32_populations_run_float32_loops():
