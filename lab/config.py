@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -234,12 +235,20 @@ def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) ->
         raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of: {allowed}")
     if "range" in metadata and isinstance(value, (int, float)):
         lo, hi, lo_open, hi_open = metadata["range"]
-        bad = not math.isfinite(value)
+        # an int beyond a float's range (a 400-digit literal) is not finite as a float:
+        # compared as it is, never converted (math.isfinite would overflow on it)
+        huge = (not isinstance(value, float) and annotation is not int
+                and abs(value) > sys.float_info.max)
+        bad = huge or (isinstance(value, float) and not math.isfinite(value))
         bad |= lo is not None and (value < lo or (lo_open and value == lo))
         bad |= hi is not None and (value > hi or (hi_open and value == hi))
         if bad:
+            shown = repr(value)
+            if len(shown) > 40:  # a 400-digit int: its size is what matters
+                shown = f"{shown[:6]}...{shown[-3:]} ({len(shown)} digits)"
+            beyond = " (beyond any float: |value| <= 1.8e308)" if huge else ""
             raise ConfigError(
-                f"{owner}.{name}={value!r} is out of range; allowed: "
+                f"{owner}.{name}={shown} is out of range{beyond}; allowed: "
                 f"{_interval(lo, hi, lo_open, hi_open)}"
             )
 
