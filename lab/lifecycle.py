@@ -103,7 +103,9 @@ class Divergence:
     second arm beside the first (EP's backprop twin, CfC's auxiliary path) names that arm's
     training losses in ``companion_keys``: one that is non-finite, or above ``factor`` times
     its own first finite value, stops the run too, since the comparison the arm serves is
-    void from then on.
+    void from then on. A row value named in ``finite_keys`` (a quantity of the trainer's
+    own computation, such as EP's drift) that is non-finite stops the run too, with
+    ``finite_hint`` appended to the reason.
     """
 
     loss_key: str = "train_loss"
@@ -111,6 +113,8 @@ class Divergence:
     factor: float = 1e3
     cap: float = math.inf
     companion_keys: tuple[str, ...] = ()
+    finite_keys: tuple[str, ...] = ()
+    finite_hint: str = ""
 
     def __post_init__(self):
         if not self.factor > 1 or not self.cap > 0:
@@ -133,6 +137,10 @@ class Divergence:
             value = values.get(key)
             if _number(value) and not math.isfinite(value):
                 return f"non-finite evaluation loss {key}={value} at {where}"
+        for key in self.finite_keys:
+            value = values.get(key)
+            if _number(value) and not math.isfinite(value):
+                return f"non-finite {key}={value} at {where}{self.finite_hint}"
         return None
 
     def check_companions(self, row: dict, baselines: dict, where: str) -> str | None:

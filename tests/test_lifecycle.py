@@ -476,6 +476,23 @@ def test_a_diverging_backprop_twin_stops_the_ep_run(tmp_path):
     assert records.load_record(tmp_path / "ep")["status"] == "diverged"
 
 
+def test_a_non_finite_drift_stops_the_ep_run_with_beta_named(tmp_path):
+    # beta = 1e39 overflows float32 in the nudged phase: every drift was NaN, the governor
+    # skipped all 30 steps and the run ended `complete`, which `lab report` then refused.
+    from lab.train import EPConfig, train_ep
+
+    config = EPConfig(d_model=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=10,
+                      warmup_steps=0, eval_every=5, eval_batches=2, cosine_every=5,
+                      checkpoint_every=5, threads=1, progress=False, beta=1e39)
+    record = train_ep(config, tmp_path / "ep")
+    assert record["status"] == "diverged" and len(record["steps"]) == 1
+    assert record["error"] == ("non-finite drift=nan at step 0: the nudged phase overflowed "
+                               "(is beta=1e+39 too large for dtype float32?)")
+    policy = Divergence(finite_keys=("drift",))
+    assert policy.check({"drift": 0.5}, None, "step 1") is None
+    assert policy.check({"drift": math.inf}, None, "step 2") == "non-finite drift=inf at step 2"
+
+
 def test_a_diverging_aux_path_stops_the_cfc_run(tmp_path):
     from lab.train import CfCAuxConfig, train_cfc_aux
 

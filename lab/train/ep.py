@@ -618,7 +618,13 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
                    desc=f"ep seed {config.seed}",
                    # The twin is the reference EP is judged by: its blowing up voids the run.
                    divergence=Divergence(eval_keys=("val_loss", "bp_val_loss"),
-                                         companion_keys=("bp_train_loss",)),
+                                         companion_keys=("bp_train_loss",),
+                                         # states that overflowed in the nudged phase: the
+                                         # governor's skips would only repeat it every step
+                                         finite_keys=("drift",),
+                                         finite_hint=": the nudged phase overflowed (is "
+                                         f"beta={config.beta!r} too large for dtype "
+                                         f"{config.dtype}?)"),
                    data={"text": text_identity(config.text_path),
                          "split": run.corpus.split_sizes()}) as life:
         done = life.start()
