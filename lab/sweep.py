@@ -15,7 +15,9 @@ A protocol (``protocols/*.yaml``) names a notebook and a grid::
       seed: [0, 1]
 
 Relative paths are relative to the protocol file, so a protocol means the same
-from any working directory; a blank ``notebook``, ``out`` or ``report`` (which
+from any working directory: ``notebook``, ``out``, ``report`` and every data path
+among the parameters (a text parameter named ``*_path`` or ``*_dir``, such as
+``csv_path``, ``text_path``, ``data_dir``); a blank ``notebook``, ``out`` or ``report`` (which
 would mean the working directory), an ``out`` that is or lies inside a file and
 a ``report`` that is a directory are refused at load. Every ``fixed`` and
 ``grid`` key must be a parameter the notebook declares (for a dotted key, its
@@ -606,6 +608,20 @@ def mark_stale(runs, specs: list[RunSpec], why: dict[str, str] | None = None):
     return runs
 
 
+def _data_paths(params: dict, source: str) -> dict:
+    """``params`` with each data path (a text parameter named ``*_path`` or ``*_dir``, but
+    ``out_dir``) relative to the protocol file ``source``, as a config stores it (``~``
+    expanded, absolute, symlinks resolved); "" stays "" (the default). So a protocol reads
+    the same files from any working directory (run ids keep the grid's text)."""
+    if not source:
+        return params
+    base = Path(source).parent
+    return {key: str((base / Path(value).expanduser()).resolve())
+            if (key.endswith(("_path", "_dir")) and key != "out_dir" and isinstance(value, str)
+                and value.strip()) else value
+            for key, value in params.items()}
+
+
 def expand(protocol: Protocol) -> list[RunSpec]:
     """Every grid combination as a RunSpec; duplicate run ids are a ProtocolError."""
     keys = sorted(protocol.grid)
@@ -613,6 +629,7 @@ def expand(protocol: Protocol) -> list[RunSpec]:
     for values in itertools.product(*(protocol.grid[key] for key in keys)):
         point = dict(zip(keys, values))
         params = {**protocol.fixed, **protocol.overrides_for(point), **point}
+        params = _data_paths(params, protocol.source)
         specs.append(RunSpec(run_id_for(point, protocol.grid), params, point))
     # Letter case aside: ids that differ only in case are one directory on macOS.
     counts = Counter(spec.run_id.casefold() for spec in specs)

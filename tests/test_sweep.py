@@ -131,6 +131,33 @@ def test_paths_are_relative_to_the_protocol_file(tmp_path):
     assert Path(protocol.out) == (tmp_path / "sub" / "runs").resolve()
 
 
+def test_data_paths_among_the_parameters_are_relative_to_the_protocol_file(tmp_path,
+                                                                           monkeypatch):
+    # csv_path was resolved against the working directory: runs made from the protocol's
+    # folder were `stale` from its parent, and a sweep from elsewhere read no file (or
+    # another file of the same relative name).
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "protos").mkdir()
+    prices = "close\n" + "".join(f"{100 + (i % 17) * 0.5 + i * 0.01:.2f}\n" for i in range(600))
+    for name in ("a", "b"):
+        (tmp_path / "csv" / f"{name}.csv").write_text(prices)
+    path = write_protocol(tmp_path / "protos" / "p.yaml",
+                          notebook=str(ROOT / "notebooks" / "03-train-cfc-aux.ipynb"),
+                          fixed={"source": "csv", "column": "close", "steps": 2},
+                          grid={"csv_path": ["../csv/a.csv", "../csv/b.csv"]})
+    for cwd in (tmp_path, tmp_path / "protos", tmp_path / "csv"):
+        monkeypatch.chdir(cwd)
+        for configs in (False, True):  # the analysis' torch-free load, and a sweep's
+            specs = expand(load_protocol(path, configs=configs))
+            assert [spec.params["csv_path"] for spec in specs] == \
+                [str((tmp_path / "csv" / f"{name}.csv").resolve()) for name in ("a", "b")]
+            # the ids and grid columns keep the protocol's text
+            assert [spec.grid["csv_path"] for spec in specs] == ["../csv/a.csv", "../csv/b.csv"]
+            assert [spec.run_id for spec in specs] == \
+                [run_id_for(spec.grid, {"csv_path": ["../csv/a.csv", "../csv/b.csv"]})
+                 for spec in specs]
+
+
 def test_overrides_apply_to_their_grid_value_only(tmp_path):
     path = write_protocol(tmp_path / "p.yaml", fixed={"fail_on": 0},
                           overrides={"x": {2: {"fail_on": 5}}})
