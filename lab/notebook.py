@@ -858,15 +858,19 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         reason, problem = "stale", (f"{status} run{' (it never trained a step)' if never else ''}"
                                     f" with other parameters ({'; '.join(diffs)})"
                                     if diffs else None)
-        if problem is None and state.status in ("complete", "diverged"):
-            # Same parameters, but a data file it read has changed since: its results are
-            # not those of these parameters any more. (A run in progress is checked by the
-            # lifecycle when it resumes.)
+        if problem is None and not never:
+            # Same parameters, but a data file it read has changed since: a finished run's
+            # results are not those of these parameters any more, and an interrupted one
+            # would resume on other data (refused here, before a kernel starts, with its
+            # record left as it is; the lifecycle's own check is the last guard).
             from .data.identity import changed_files  # (lab.data imports torch: lazily)
 
             changed = changed_files(state.record.get("data"))
             if changed:
-                problem = f"{status} run whose data changed since ({'; '.join(changed)})"
+                resume = "" if state.status in ("complete", "diverged") else \
+                    "; resuming it would train on other data (restore the file to resume it)"
+                problem = (f"{status} run whose data changed since ({'; '.join(changed)})"
+                           f"{resume}")
     if problem:
         # A failed run that never trained a step holds nothing to keep (it is a refused or
         # broken attempt): corrected parameters replace it, moved aside as --force would.

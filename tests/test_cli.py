@@ -4,6 +4,7 @@ kernels die with the `lab` process."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -848,6 +849,36 @@ def test_yes_and_a_tuple_as_text_say_how_to_write_them(tmp_path, capsys, no_kern
     assert "CfCAuxConfig.horizons must be tuple, got '(1,5)' (str); give a YAML list such as " \
         "[1, 5, 20]" in _one_paragraph(capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
+
+
+def test_resuming_an_interrupted_run_on_changed_data_is_refused_before_a_kernel(tmp_path,
+                                                                                  capsys):
+    # It started a kernel, failed there ("trained on other data") and rewrote the
+    # interrupted run's record as `failed`; a finished run was already refused up front.
+    csv = tmp_path / "p.csv"
+    csv.write_text("close\n" + "".join(f"{100 + (i % 13) * 0.7 + i * 0.02:.2f}\n"
+                                       for i in range(400)))
+    cfc = ROOT / "notebooks" / "03-train-cfc-aux.ipynb"
+    args = ["run", str(cfc), "--out", str(tmp_path / "r"), "-p", "source", "csv", "-p",
+            "csv_path", str(csv), "-p", "column", "close", "-p", "steps", "4", "-p", "threads", "1"]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    record_path = tmp_path / "r" / records.RECORD_FILE
+    record = json.loads(record_path.read_text())
+    record["status"] = "running"  # as a kill -9 leaves it: nobody holds the lock
+    record_path.write_text(json.dumps(record))
+    assert runlock.inspect(tmp_path / "r").status == "interrupted"
+    before = record_path.read_bytes()
+    with open(csv, "a") as f:
+        f.write("151.00\n")
+    start = time.perf_counter()
+    assert cli_main(args) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert f"{tmp_path / 'r'} already holds an interrupted run whose data changed since " \
+           f"({csv}: size 2806 then, 2813 now); resuming it would train on other data " \
+           "(restore the file to resume it); nothing was changed." in err, err
+    assert time.perf_counter() - start < 5  # no kernel was started
+    assert record_path.read_bytes() == before
 
 
 def test_a_run_killed_before_its_first_record_is_listed_interrupted(tmp_path, capsys):
