@@ -267,6 +267,19 @@ def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str) -> None:
                 f"optimizer applies it in (largest {largest:.6g}); give a value up to that")
 
 
+def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str) -> None:
+    """Raise ConfigError if a positive scale the model applies in ``dtype`` (a Huber
+    delta) is below its smallest normal number: it would be rounded towards 0 there, and
+    the loss it shapes silently becomes another one."""
+    tiny = float(np.finfo(dtype).tiny)
+    for name in names:
+        value = getattr(config, name)
+        if 0 < abs(value) < tiny:
+            raise ConfigError(
+                f"{type(config).__name__}.{name}={value!r} is below the smallest normal "
+                f"{dtype} ({tiny:.4g}), the dtype the model applies it in; give at least that")
+
+
 def plain_number(value: Any, annotation: Any) -> Any:
     """A numpy integer or floating scalar as the Python int or float the field takes.
 

@@ -52,6 +52,7 @@ from ..config import (
     ConfigError,
     bounded,
     check_in_dtype,
+    check_not_below_dtype,
     choice,
     known_keywords,
     validate,
@@ -147,6 +148,7 @@ class CfCAuxConfig:
             object.__setattr__(self, "horizons", tuple(self.horizons))
         validate(self)
         check_in_dtype(self, ("lr", "aux_lr"), "float32")  # the model is float32
+        check_not_below_dtype(self, ("huber_delta",), "float32")
         try:
             check_horizons(self.horizons, self.main_horizon)
         except DataError as err:
