@@ -62,12 +62,12 @@ def _tensor(name: str, t, like: torch.Tensor | None = None,
 
 def _population(name: str, t, like: torch.Tensor | None = None) -> torch.Tensor:
     t = _tensor(name, t, like)
+    if like is not None and t.shape != like.shape:  # (named first: it says what is expected)
+        raise ValueError(f"{name} ({_describe(t)}) must have the population's shape "
+                         f"{tuple(like.shape)}")
     if t.dim() < 2 or t.numel() == 0:
         raise ValueError(f"{name} ({_describe(t)}) must be a non-empty population "
                          f"(batch, *unit_shape) with at least one unit")
-    if like is not None and t.shape != like.shape:
-        raise ValueError(f"{name} ({_describe(t)}) must have the population's shape "
-                         f"{tuple(like.shape)}")
     return t
 
 
@@ -139,8 +139,9 @@ def _in_place(name: str, t: torch.Tensor) -> torch.Tensor:
                            f"or pass a normal tensor ({name}.clone() outside inference mode)")
     if not t.is_contiguous():
         raise ValueError(f"{name} ({_describe(t)}) is written in place and must be "
-                         f"contiguous; pass a contiguous tensor (e.g. keep the "
-                         f"parameter you created, not a transposed view)")
+                         f"contiguous (row-major); {name}.contiguous() would be a copy, "
+                         f"written instead of {name}: pass a row-major tensor (not a "
+                         f"transposed, strided or channels_last one)")
     return t
 
 
@@ -171,7 +172,10 @@ def _scalar(name: str, x, dtype: torch.dtype | None = None) -> float:
 
 def _flag(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+        kind = type(value)
+        kind = kind.__name__ if kind.__module__ == "builtins" else \
+            f"{kind.__module__}.{kind.__name__}"  # numpy.bool, not a bare "bool"
+        raise TypeError(f"{name} must be True or False (a Python bool), got {value!r} ({kind})")
     return value
 
 

@@ -630,8 +630,23 @@ def test_more_bad_arguments_are_named():
         nk.predictor_update(p["h"], p["I"], p["P"].clone(), p["b"].clone(), 1e39)
     o = torch.randn(4, 3, 5)
     for flag in ("instruction", "masked"):
-        with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got 'no' \(str\)"):
+        with pytest.raises(TypeError, match=rf"^{flag} must be True or False \(a Python bool\), "
+                                            r"got 'no' \(str\)"):
             nk.mixed_local(p["I"], p["h"], o, p["C"], 0.5, p["P"], p["b"], "raw", **{flag: "no"})
+        # numpy's bool names its module ("got np.True_ (bool)" read as a contradiction)
+        with pytest.raises(TypeError, match=rf"^{flag} .*got np.True_ \(numpy.bool\)$"):
+            nk.mixed_local(p["I"], p["h"], o, p["C"], 0.5, p["P"], p["b"], "raw",
+                           **{flag: np.bool_(True)})
+    # an out of another shape is told the shape expected, even when it is 1-D
+    with pytest.raises(ValueError, match=r"^out \(shape \(60,\).*must have the population's "
+                                         r"shape \(4, 3, 5\)"):
+        nk.mixed_apical(**p, rule="raw", out=torch.empty(60))
+    # a channels_last target is not called a transposed view
+    q = population((2, 3, 4, 5), torch.float32)
+    with pytest.raises(ValueError, match=r"^out .*must be contiguous \(row-major\); "
+                                         r"out.contiguous\(\) would be a copy.*channels_last"):
+        nk.mixed_apical(**q, rule="raw",
+                        out=torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last))
     # Without a norm o is not read, but a wrongly shaped one is still a caller's mistake.
     with pytest.raises(ValueError, match=r"^o \(shape \(2, 3, 5\).*must have the population's "
                                          r"shape \(4, 3, 5\)"):
