@@ -425,26 +425,16 @@ def _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero, rule):
 def _slab_sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero, rule):
     # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
     # instruction q.
-    # Chunks of CHUNK elements summed in the input dtype, their partials added in
-    # float64 in chunk order (as mixed_apical's rows): a slab of 10^6 float32 elements
-    # summed in one float32 run lost about 1e-5 relative.
-    S = I.shape[2]
-    t_m = t_mx = t_q = t_qx = 0.0
-    for j0 in range(0, S, CHUNK):
-        s_m = s_mx = s_q = s_qx = zero
-        for j in range(j0, min(j0 + CHUNK, S)):
-            i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
-                                             zero, rule)
-            q = scale * i if on else zero
-            s_m += m
-            s_mx += m * xh
-            s_q += q
-            s_qx += q * xh
-        t_m += np.float64(s_m)
-        t_mx += np.float64(s_mx)
-        t_q += np.float64(s_q)
-        t_qx += np.float64(s_qx)
-    return t_m, t_mx, t_q, t_qx
+    s_m = s_mx = s_q = s_qx = zero
+    for j in range(I.shape[2]):
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
+                                         zero, rule)
+        q = scale * i if on else zero
+        s_m += m
+        s_mx += m * xh
+        s_q += q
+        s_qx += q * xh
+    return s_m, s_mx, s_q, s_qx
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
@@ -456,28 +446,21 @@ def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd
     # h > 0. Without a norm k = 1, the means are 0 and mu = istd = 0, so out = m
     # exactly.
     k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
-    S = I.shape[2]
-    t_i = t_t = t_r = t_n = 0.0  # chunk partials in float64, as in _slab_sums
-    for j0 in range(0, S, CHUNK):
-        s_i = s_t = s_r = s_n = zero
-        for j in range(j0, min(j0 + CHUNK, S)):
-            i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
-                                             zero, rule)
-            OUT[e, ch, j] = k * (m - a - xh * c)
-            if want_inst:
-                q = scale * i if on else zero
-                INST[e, ch, j] = k * (q - aq - xh * cq)
-            if want_masked:
-                MASKED[e, ch, j] = i if on else zero
-            s_i += i * i
-            s_t += t * t
-            s_r += r * r
-            s_n += n * n
-        t_i += np.float64(s_i)
-        t_t += np.float64(s_t)
-        t_r += np.float64(s_r)
-        t_n += np.float64(s_n)
-    return t_i, t_t, t_r, t_n
+    s_i = s_t = s_r = s_n = zero
+    for j in range(I.shape[2]):
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
+                                         zero, rule)
+        OUT[e, ch, j] = k * (m - a - xh * c)
+        if want_inst:
+            q = scale * i if on else zero
+            INST[e, ch, j] = k * (q - aq - xh * cq)
+        if want_masked:
+            MASKED[e, ch, j] = i if on else zero
+        s_i += i * i
+        s_t += t * t
+        s_r += r * r
+        s_n += n * n
+    return s_i, s_t, s_r, s_n
 
 
 @njit(cache=True)
@@ -508,7 +491,7 @@ def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd,
 
 @njit(cache=True)
 def _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
-    # Example e, channels in memory order: its per-channel slab sums (float64) into
+    # Example e, channels in memory order: its per-channel slab sums (input dtype) into
     # part[e] (float64). A task per example, in memory order: streaming reads.
     for ch in range(I.shape[1]):
         mu = mean[ch] if has_norm else zero

@@ -213,25 +213,6 @@ def test_the_short_path_and_the_checked_path_agree_bitwise(rule, dtype):
         assert a.dtype == b.dtype and a.shape == b.shape
 
 
-def test_float32_sums_over_a_long_slab_stay_float64_accurate():
-    """A slab (one example's channel) of 10^6 float32 elements: its sums are formed in
-    chunks whose partials add in float64, as mixed_apical's rows (one float32 run over
-    the slab was 1.7e-5 off in ss_instruction)."""
-    g = torch.Generator().manual_seed(3)
-    S = 1_000_000
-    I, h, o = (torch.randn(1, 1, S, generator=g) for _ in range(3))
-    h = h.abs()
-    C, P, b = (torch.randn(1, S, generator=g) for _ in range(3))
-    stats = dict(mean=o.mean((0, 2)), invstd=1 / o.std((0, 2)), gamma=torch.ones(1))
-    r = nk.mixed_local(I, h, o, C, 0.7, P, b, "raw", **stats)
-    d = {k: v.double() for k, v in dict(I=I, h=h, o=o, C=C, P=P, b=b).items()}
-    ref = nk.mixed_local(d["I"], d["h"], d["o"], d["C"], 0.7, d["P"], d["b"], "raw",
-                         **{k: v.double() for k, v in stats.items()}, backend="torch")
-    for name in ("ss_instruction", "ss_traffic", "ss_raw", "ss_innovation", "ss_used"):
-        assert abs(float(getattr(r, name) / getattr(ref, name)) - 1) < 2e-7, name
-    assert abs(float(r.dbeta.double() / ref.dbeta) - 1) < 5e-7
-
-
 def test_float32_populations_run_float32_loops():
     """Every scalar a float32 population's kernel is compiled for is float32: one float64
     scalar (the zero, a norm statistic, the scale) makes numba promote the slab loops to
