@@ -502,8 +502,8 @@ def test_record_holds_the_run_its_final_metrics_and_bill(tmp_path, capsys):
     # The progress bar: its label and the last row's loss and lift state.
     assert "cfc-aux lift seed 0" in err
     assert f"lifted=1, loss={rows[-1]['train_loss']:.3f}]" in err  # tqdm sorts the keys
-    for r in rows:
-        if (r["step"] + 1) % 3:
+    for r in rows:  # validated on the cadence (steps 2, 5) and at the last step (6)
+        if (r["step"] + 1) % 3 and r["step"] != 6:
             assert r["val_loss"] is None and r["val_acc"] is None
         else:
             assert r["val_loss"] is not None and r["val_acc"] is not None
@@ -595,13 +595,13 @@ def test_a_non_finite_validation_loss_stops_the_run(monkeypatch):
 
 def test_the_training_loop_is_train_step_then_evaluate():
     """A replay by hand (build_run, train_step per step, evaluate after every eval_every-th
-    update) gives exactly the recorded rows and final metrics."""
+    update and the last) gives exactly the recorded rows and final metrics."""
     config = _config(steps=9, eval_every=4, lift_huber=50.0, lift_acc=0.0, lift_window=0)
     record = train_cfc_aux(config)
     run = build_run(config)
     for step, logged in enumerate(record["steps"]):
         row = train_step(run, step)
-        if (step + 1) % 4 == 0:
+        if (step + 1) % 4 == 0 or step == 8:
             row.update(cfc_aux.evaluate(run))
             assert row["val_loss"] is not None
         else:

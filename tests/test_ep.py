@@ -291,6 +291,16 @@ def test_cosines_per_tensor_and_overall():
 # the trainer and its record
 
 
+def test_the_last_step_is_validated_and_measured_off_the_cadence():
+    # steps 7 with eval_every 3 and cosine_every 4: the trajectory ended at step 5 / 4
+    record = train_ep(_tiny(steps=7, eval_every=3, cosine_every=4, checkpoint_every=0))
+    rows = record["steps"]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 5, 6]
+    assert [r["step"] for r in rows if "cos" in r] == [0, 4, 6]
+    per_step = record["work"]["ep"]["macs"]  # K never changes here (no skipped step)
+    assert record["work"]["cosine_ep_macs_total"] == 3 * per_step
+
+
 def test_run_holds_what_it_declares(tmp_path):
     config = _tiny()
     record = train_ep(config, tmp_path / "run", run_id="run")
@@ -299,8 +309,9 @@ def test_run_holds_what_it_declares(tmp_path):
     assert [r["step"] for r in rows] == list(range(config.steps))
     assert [r["skipped"] for r in rows] == [0] * config.steps
     names = {n for n, _ in build_ep(config).model.named_parameters()}
+    last = config.steps - 1  # 5: cosines on the cadence (0, 2, 4) and at the last step
     for row in rows:
-        assert ("cos" in row) == (row["step"] % 2 == 0)
+        assert ("cos" in row) == (row["step"] % 2 == 0 or row["step"] == last)
         assert ("val_loss" in row) == (row["step"] % 3 == 2)
         if "cos" in row:
             assert set(row["cos"]) == {"overall", *names}

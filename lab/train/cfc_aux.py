@@ -498,7 +498,9 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
         for step in bar:
             row = train_step(run, step)
             row["val_loss"] = row["val_acc"] = None
-            if config.eval_every and (step + 1) % config.eval_every == 0 \
+            # on the cadence and at the last step (when the cadence does not divide steps)
+            if config.eval_every and ((step + 1) % config.eval_every == 0
+                                      or step + 1 == config.steps) \
                     and math.isfinite(row["train_loss"]):
                 row.update(evaluate(run))
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", lifted=row.get("lifted", 0))

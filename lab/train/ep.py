@@ -131,9 +131,9 @@ class EPConfig:
     warmup_steps: int = bounded(100, 0)
     grad_clip: float = bounded(1.0, 0.0)  # max global grad norm; 0 = off
     # evaluation and diagnostics
-    eval_every: int = bounded(500, 0)  # steps between validation passes; 0 = only at the end
+    eval_every: int = bounded(500, 0)  # steps between validations (and the last); 0 = at the end
     eval_batches: int = bounded(0, 0)  # batches of batch_size windows; 0 = the whole split
-    cosine_every: int = bounded(100, 0)  # steps between EP/BP gradient cosines; 0 = never
+    cosine_every: int = bounded(100, 0)  # steps between EP/BP cosines (and the last); 0 = never
     # run
     seed: int = bounded(0, 0, SEED_MAX)
     device: str = choice("auto", ("auto", "cpu", "cuda"))
@@ -504,7 +504,10 @@ def train_step(run: EPRun, step: int) -> dict:
                                                    cfg.seq_len, run.generator))
     beta, K = scheduled_beta(cfg, step) * gov.scale, gov.K
     row: dict = {"beta": beta, "K": K, "lr": run.optimizer.param_groups[0]["lr"]}
-    measure = cfg.cosine_every and step % cfg.cosine_every == 0
+    # On their cadences and at the last step too (when a cadence does not divide `steps`),
+    # so a run's trajectory ends with a measurement of the trained network.
+    last = step + 1 == cfg.steps
+    measure = cfg.cosine_every and (step % cfg.cosine_every == 0 or last)
 
     start = time.perf_counter()
     params = list(run.model.parameters())
@@ -538,7 +541,7 @@ def train_step(run: EPRun, step: int) -> dict:
     row.update(bp_train_loss=bp_loss, bp_grad_norm=bp_norm,
                bp_wall_s=time.perf_counter() - start)
 
-    if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+    if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
         row.update(_evaluate_both(run))
     return row
 
@@ -594,7 +597,7 @@ def run_bill(config: EPConfig, model: Transformer, rows: list[dict]) -> dict:
         K = int(row["K"])
         steps_at_K[str(K)] = steps_at_K.get(str(K), 0) + 1
         ep_total += macs(K)
-        if config.cosine_every and row["step"] % config.cosine_every == 0:
+        if "cos" in row:  # the rows it was measured on (its cadence and the last step)
             cosine_total += macs(K)
     return {**nominal, "steps": len(rows), "steps_at_K": dict(sorted(steps_at_K.items())),
             "ep_macs_total": ep_total, "bp_macs_total": nominal["bp"]["macs"] * len(rows),
