@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Two pytest-xdist workers: the suite takes about 13 minutes in one process on a
-# 2-core machine with slow memory, 6 - 8 with two. The float64 kernels the tests
+# 2-core machine with slow memory, 6 - 9 with two. The float64 kernels the tests
 # use are compiled first, once, rather than by both workers at the same time.
 test: $(STAMP) lint
 	$(PY) -m numba_kernels.warm --float64

@@ -446,6 +446,12 @@ def _local_squares(chan, rows, code: int) -> tuple:
     return ss_used, tot[0], tot[2], tot[3], tot[1]
 
 
+def _host_squares(chan, rows, code: int) -> tuple:
+    """``_local_squares`` of the CPU kernel's numpy sums, added by numpy (both CPU paths,
+    so they agree bit for bit), as five 0-d float64 tensors."""
+    return torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
+
+
 def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scale,  # noqa: E741
                     instruction: bool, masked: bool, out):
     """``mixed_local`` on plain contiguous CPU tensors with a norm, else None (checked path).
@@ -486,7 +492,7 @@ def _local_cpu_fast(I, h, o, C, gain, P, b, code: int, mean, invstd, gamma, scal
         *(absent if t is None else t.numpy().reshape(cube) for t in extra),
         C_.reshape(Ch, S), dt.type(gain), P_.reshape(Ch, S), b_.reshape(Ch, S), code,
         dt.type(scale), m_, s_, g_)
-    ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
+    ss = _host_squares(chan, rows, code)
     norm = torch.from_numpy(chan[:, cpu.L_M:cpu.L_MX + 1].T.astype(dt))  # (2, Ch)
     if out is not None:
         _mark_written(out)
@@ -570,9 +576,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
             *(absent if t is None else t.numpy() for t in extra), units[0].numpy(), dt(g),
             units[1].numpy(), units[2].numpy(), code, dt(sc),
             *((None,) * 3 if stats is None else (t.numpy() for t in stats)))
-        # the sums of squares as the fast path adds them (numpy), so the two paths agree
-        # bit for bit in float64 too
-        ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
+        ss = _host_squares(chan, rows, code)  # as the fast path adds them
         chan = torch.from_numpy(chan)
     else:
         from . import gpu
