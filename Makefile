@@ -44,12 +44,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# Two pytest-xdist workers: the suite takes about 13 minutes in one process on a
-# 2-core machine with slow memory, 6 - 9 with two. The float64 kernels the tests
-# use are compiled first, once, rather than by both workers at the same time.
+# Two pytest-xdist workers, each on one thread (tests/conftest.py: two workers on
+# torch's default of a thread per core made small-op tests 5 - 10x slower), and
+# work stealing so the long end-to-end tests do not finish last on one worker:
+# 7 min 12 s of pytest on this 2-core host (9 min 25 s before). The float64
+# kernels the tests use are compiled first, once, rather than by both workers.
 test: $(STAMP) lint
 	$(PY) -m numba_kernels.warm --float64
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # Mutation testing of the rules, diagnostics, trainers and kernels (not part of
 # `make test`: about an hour on 2 cores). Prints the score and the survivors.

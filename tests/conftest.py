@@ -9,6 +9,20 @@ import pytest
 # One data cache for the whole session, so MNIST-1D is generated once.
 os.environ.setdefault("LAB_DATA_DIR", os.path.join(os.path.dirname(__file__), "..", "data"))
 
+# Under pytest-xdist each worker takes its share of the cores, and so do the
+# kernels and CLI processes its tests start (they inherit the variables): torch's
+# default of one OpenMP thread per core in every worker put 4 spinning threads on
+# 2 cores, and made small-op tests 5 - 10x slower than alone (the rrm test: 42 s
+# in the suite, 3.6 s alone). Runs and sweeps that set `threads` still override it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, len(os.sched_getaffinity(0))
+                 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_share))
+    import torch
+
+    torch.set_num_threads(_share)
+
 
 @pytest.fixture
 def train_steps(monkeypatch):
