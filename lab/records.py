@@ -518,10 +518,13 @@ def _chain(run_dir: Path, axis: str, count: int, path) -> list[tuple[int, int, P
     while position < count:
         fitting = [p for p in parts if p[0] == position and p[1] <= count]
         if not fitting:
+            # The gap, not every part's name (a long run has hundreds of parts).
+            later = [p[0] for p in parts if p[0] > position]
+            held = f"the next part starts at row {min(later)}" if later else "no later part"
             _fail(path, f"rows.{axis}", f"{count}, but no part holds rows from {position} "
-                  f"(parts in {_parts_dir(run_dir, axis)}: "
-                  f"{[p[2].name for p in parts] or 'none'})",
-                  "a row store holding every counted row (restore the parts or rerun the run)")
+                  f"({len(parts)} parts in {_parts_dir(run_dir, axis)}; {held})",
+                  "a row store holding every counted row (restore the parts, or replace "
+                  "the run: the same command with --force)")
         chain.append(max(fitting, key=lambda p: p[1]))
         position = chain[-1][1]
     return chain
@@ -564,7 +567,8 @@ def _read_part(path: Path, start: int, end: int, record_path) -> list:
         rows = [decode_nonfinite(json.loads(line)) for line in lines]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
-              "a part written by lab.records.write_part (rerun the run)")
+              "a part written by lab.records.write_part (restore it, or replace the run: "
+              "--force)")
     if len(rows) != end - start:
         _fail(record_path, f"<part {path.name}>", f"{len(rows)} rows",
               f"{end - start} rows, as its name says")
@@ -601,12 +605,14 @@ def check_stored_rows(run_dir) -> None:
                 data = path.read_bytes()
             except OSError as err:
                 _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
-                      "a part written by lab.records.write_part (rerun the run)")
+                      "a part written by lab.records.write_part (restore it, or replace the run: "
+              "--force)")
             lines = data.count(b"\n")
             if lines != end - start or not data.endswith(b"\n"):
                 _fail(record_path, f"<part {path.name}>",
                       f"{lines} complete lines ({len(data)} bytes)",
-                      f"{end - start} rows, as its name says (truncated? rerun the run)")
+                      f"{end - start} rows, as its name says (truncated? restore it, or "
+                      "replace the run: --force)")
 
 
 # ---------------------------------------------------------------------------

@@ -471,6 +471,14 @@ def inspect(run_dir, *, locked: bool = False) -> RunState:
     except (records.RecordError, OSError) as err:
         return RunState("unreadable", error=str(err))
     status = "interrupted" if record["status"] == "running" else record["status"]
+    if status in FINISHED:
+        # A finished run is "done" only with every counted row in its store: one whose store
+        # lost or cut a part is what `lab runs` and `lab report` call unreadable, so a rerun
+        # must not call it finished (--force replaces it). By line count, no JSON parsing.
+        try:
+            records.check_stored_rows(run_dir)
+        except (records.RecordError, OSError) as err:
+            return RunState("unreadable", error=str(err))
     return RunState(status, record=record)
 
 

@@ -339,6 +339,12 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
     return spec
 
 
+def _some(ids: list[str], shown: int = 8) -> str:
+    # A large grid's refusal names a few runs, not thousands (one paragraph still).
+    more = len(ids) - shown
+    return ", ".join(ids[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def _check_runs(protocol: Protocol, spec, preflight: bool = True) -> None:
     """Build every run's config before any kernel starts; one error lists each
     distinct problem with the runs it affects. ``preflight``: also what this machine
@@ -358,7 +364,7 @@ def _check_runs(protocol: Protocol, spec, preflight: bool = True) -> None:
             same.setdefault(_config_key(resolved.asked()), []).append(run)
     if problems:
         n = sum(map(len, problems.values()))
-        listed = "; ".join(f"{message} (run{'s' if len(ids) > 1 else ''} {', '.join(ids)})"
+        listed = "; ".join(f"{message} (run{'s' if len(ids) > 1 else ''} {_some(ids)})"
                            for message, ids in problems.items())
         outcome = "so none was started" if preflight else "so its runs cannot be listed"
         raise ProtocolError(f"protocol {protocol.source}: {n} of {len(specs)} runs have "
@@ -517,7 +523,14 @@ def run_id_for(grid_point: dict, grid: dict | None = None) -> str:
     appends ``.old-<time>``) is cut there and ends in ``-`` and the sha256 digits of
     the whole id: distinct, stable, and still a name the file system takes.
     """
-    clashes = {key: _clashing(grid[key]) for key in grid_point if key in (grid or {})}
+    return _run_id(grid_point, {key: _clashing(grid[key]) for key in grid_point
+                                if key in (grid or {})})
+
+
+def _run_id(grid_point: dict, clashes: dict[str, set[str]]) -> str:
+    # run_id_for with each key's clashing identities given: :func:`expand` finds them once
+    # per key, not once per grid point (that was quadratic in a key's values: a grid of
+    # 1000 seeds did not list in 200 s).
     run_id = "_".join(
         f"{key}-{_slug(value, clash=_identity(value) in clashes.get(key, ()))}"
         for key, value in sorted(grid_point.items()))
@@ -625,12 +638,13 @@ def _data_paths(params: dict, source: str) -> dict:
 def expand(protocol: Protocol) -> list[RunSpec]:
     """Every grid combination as a RunSpec; duplicate run ids are a ProtocolError."""
     keys = sorted(protocol.grid)
+    clashes = {key: _clashing(protocol.grid[key]) for key in keys}
     specs = []
     for values in itertools.product(*(protocol.grid[key] for key in keys)):
         point = dict(zip(keys, values))
         params = {**protocol.fixed, **protocol.overrides_for(point), **point}
         params = _data_paths(params, protocol.source)
-        specs.append(RunSpec(run_id_for(point, protocol.grid), params, point))
+        specs.append(RunSpec(_run_id(point, clashes), params, point))
     # Letter case aside: ids that differ only in case are one directory on macOS.
     counts = Counter(spec.run_id.casefold() for spec in specs)
     duplicated = sorted(run_id for run_id, n in counts.items() if n > 1)

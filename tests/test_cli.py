@@ -159,6 +159,39 @@ def test_run_refuses_other_parameters_and_force_moves_the_old_run_aside(tmp_path
     assert records.load_record(out)["config"]["x"] == 2
 
 
+@pytest.mark.parametrize("damage", ["deleted", "cut"])
+def test_rerun_of_a_finished_run_missing_rows_is_refused_and_force_replaces_it(
+        tiny, tmp_path, capsys, damage):
+    # A complete run whose row store lost a part was "already complete; nothing to do"
+    # for `lab train` / `lab run` / `lab sweep`, while `lab runs` and `lab report` called
+    # it unreadable and told the user to rerun it.
+    args = ["train", "--out", str(tmp_path / "T")]
+    args += [a for k, v in {**tiny, "epochs": 2}.items() for a in ("-p", k, str(v))]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+    part = sorted((tmp_path / "T" / "rows" / "epoch").iterdir())[-1]
+    if damage == "deleted":
+        part.unlink()
+    else:
+        part.write_bytes(part.read_bytes()[:-3])
+    before = _files(tmp_path / "T")
+    assert cli_main(args) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "already holds a run whose record cannot be read" in err and "--force" in err
+    assert ("no part holds rows from 1 (1 parts in" if damage == "deleted"
+            else f"<part {part.name}>") in err
+    assert _files(tmp_path / "T") == before
+    assert cli_main(args + ["--force"]) == 0
+    capsys.readouterr()
+    (kept,) = tmp_path.glob("T.old-*")  # the damaged run, moved aside, still damaged
+    with pytest.raises(records.RecordError, match="rows"):
+        records.check_stored_rows(kept)
+    records.check_stored_rows(tmp_path / "T")
+    assert records.load_record(tmp_path / "T")["status"] == "complete"
+    assert len(records.load_metrics(tmp_path / "T"))
+    assert cli_main(["runs", str(tmp_path / "T")]) == 0
+
+
 def test_train_refuses_other_parameters(tiny, tmp_path, capsys):
     args = ["train", "--out", str(tmp_path / "T")]
     args += [a for k, v in {**tiny, "epochs": 1}.items() for a in ("-p", k, str(v))]
@@ -307,7 +340,7 @@ def test_runs_lists_a_complete_run_with_a_cut_row_store_as_unreadable(tmp_path, 
     (reason,) = [r for _, r in unreadable]
     lines = {"half a line": 2, "a whole line": 2, "emptied": 0}[cut]
     assert f"<part {part.name}>" in reason and f"{lines} complete lines" in reason
-    assert "3 rows, as its name says (truncated? rerun the run)" in reason
+    assert "3 rows, as its name says (truncated? restore it, or replace the run: --force)" in reason
     assert cli_main(["runs", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "1 run(s) could not be read:" in out and "good" in out

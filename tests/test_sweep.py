@@ -1072,3 +1072,38 @@ def test_distributed_logs_are_quiet_only_while_an_interrupted_cluster_closes(
     logged = [r for r in caplog.records if "CancelledError" in r.getMessage()]
     assert _FakeCluster.seen == [not quiet, not quiet]  # Client's exit, then the cluster's
     assert len(logged) == (0 if quiet else 2)
+
+
+def test_a_large_grid_expands_with_one_clash_scan_per_key(tmp_path, monkeypatch):
+    # run_id_for scanned all of a key's values for letter-case clashes at every grid
+    # point: quadratic, so `lab runs` of a 1000-seed grid did not finish in 200 s.
+    import lab.sweep
+
+    scans = []
+    real = lab.sweep._clashing
+    monkeypatch.setattr(lab.sweep, "_clashing", lambda values: scans.append(len(values))
+                        or real(values))
+    grid = {"fail_on": list(range(1500)), "x": [1, 2, 3, 4]}
+    protocol = load_protocol(write_protocol(tmp_path / "p.yaml", grid=grid))
+    scans.clear()  # (loading checks the runs: it expands the grid too)
+    specs = expand(protocol)
+    assert len(specs) == 6000 and sorted(scans) == [4, 1500]
+    monkeypatch.setattr(lab.sweep, "_clashing", real)
+    for spec in specs[:8] + specs[-8:]:  # the ids are run_id_for's
+        assert spec.run_id == run_id_for(spec.grid, grid)
+    assert len({s.run_id for s in specs}) == 6000
+    # case clashes still get their hash when the scan is made once per key
+    clash = {"k": ["b", "B", "c"]}
+    assert [lab.sweep._run_id({"k": v}, {"k": real(clash["k"])}) for v in clash["k"]] == \
+        [run_id_for({"k": v}, clash) for v in clash["k"]]
+    assert re.fullmatch(r"k-b-[0-9a-f]{8}", run_id_for({"k": "b"}, clash))
+
+
+def test_a_large_grid_refused_names_a_few_runs_and_counts_the_rest(tmp_path):
+    path = write_protocol(tmp_path / "p.yaml", grid={"x": ["a"], "fail_on": list(range(500))})
+    with pytest.raises(ProtocolError) as err:
+        plan(load_protocol(path), 1)
+    text = str(err.value)
+    assert "500 of 500 runs have parameters the notebook refuses" in text
+    assert "parameter x must be int, got 'a'" in text
+    assert text.count("fail_on-") == 8 and "and 492 more" in text and len(text) < 1500
