@@ -938,3 +938,48 @@ def test_bp_refuses_a_model_left_with_another_rules_feedback():
     for _, layer in local_layers(model):
         layer.feedback = None
     assert make_rule("bp", model).name == "bp"
+
+
+# (rule, parameter, value the float32 model cannot apply, what the error says)
+UNREPRESENTABLE = [
+    ("dfa", "feedback_scale", 1e-300, r"below the smallest normal float32 \(1\.175e-38\)"),
+    ("usf", "feedback_scale", 1e-45, r"below the smallest normal float32"),
+    ("fa", "feedback_scale", 1e300, r"overflows float32.*largest 3\.40282e\+38"),
+    ("rrm", "mirror_sigma", 1e-40, r"below the smallest normal float32"),
+    ("wm", "mirror_sigma", 1e39, r"overflows float32"),
+    ("nodepert", "pert_sigma", 1e-9, r"below float32's epsilon \(1\.192e-07\).*rounded away"),
+    ("lhfa", "pert_sigma", 1e-8, r"below float32's epsilon"),
+]
+
+
+@pytest.mark.parametrize("name, field, value, says", UNREPRESENTABLE)
+def test_a_scale_the_models_dtype_cannot_hold_is_refused(name, field, value, says):
+    """Before: feedback_scale 1e-300 (dfa), 1e-45 (usf) and pert_sigma 1e-30 (nodepert)
+    trained float32 runs to "complete" with no teaching signal below the read-out."""
+    from lab.train import ConvConfig
+
+    given = re.escape(f"rule_params.{field}={value!r} ")
+    with pytest.raises(ConfigError, match=rf"ConvConfig\.rule_params: rule '{name}': "
+                                          rf"{given}.*{says}"):
+        ConvConfig(rule=name, rule_params={field: value})
+    torch.manual_seed(0)
+    small = ResNet(8, 4, dims=1, in_channels=2, n_classes=4)  # float32
+    with pytest.raises(ConfigError, match=rf"{given}.*{says}"):
+        make_rule(name, small, {field: value})
+    if value < 1:  # float64 holds it: allowed there, in the config and for a float64 model
+        ConvConfig(rule=name, rule_params={field: value}, dtype="float64")
+        make_rule(name, small.double(), {field: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_dtype_limits_themselves_are_allowed(dtype):
+    import numpy as np
+
+    info = np.finfo(str(dtype).removeprefix("torch."))
+    torch.manual_seed(0)
+    model = MLP(12, (10, 8), 4, dtype=dtype)
+    make_rule("dfa", model, {"feedback_scale": float(info.tiny)})
+    make_rule("fa", model, {"feedback_scale": float(info.max)})
+    make_rule("nodepert", model, {"pert_sigma": float(info.eps)})
+    with pytest.raises(ConfigError, match="pert_sigma"):
+        make_rule("nodepert", model, {"pert_sigma": float(info.eps) / 2})

@@ -6,6 +6,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+import numpy as np
+
 from ..config import SEED_MAX, ConfigError, field_names, from_dict, plain_number, validate
 
 RULES: dict[str, type] = {}
@@ -108,4 +110,44 @@ def make_rule(name: str, model, params=None, *, seed: int = 0):
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ConfigError(f"make_rule seed={seed!r} is not allowed; give an integer in "
                           f"[0, {SEED_MAX}] (the run seed)")
-    return rule_class(name)(model, rule_params(name, params), seed=seed)
+    made = rule_params(name, params)
+    weight = next(model.parameters(), None)
+    if weight is not None and weight.is_floating_point():
+        check_params_in_dtype(name, made, str(weight.dtype).removeprefix("torch."))
+    return rule_class(name)(model, made, seed=seed)
+
+
+# Scales a rule applies in the model's dtype: feedback (B, D) is drawn at feedback_scale,
+# probes at mirror_sigma, perturbations at pert_sigma. A value the dtype cannot hold is
+# rounded to 0 or inf there: at feedback_scale 1e-300 in float32 every hidden layer got
+# no teaching signal and the run still ended "complete" (only the read-out learned).
+DTYPE_SCALES = ("feedback_scale", "mirror_sigma", "pert_sigma")
+
+
+def check_params_in_dtype(name: str, params, dtype: str) -> None:
+    """ConfigError if one of the rule's scales (``DTYPE_SCALES``) cannot be applied in
+    ``dtype``: below its smallest normal number or above its largest, and for
+    ``pert_sigma`` below its epsilon too (a perturbation that small is rounded away next
+    to activity of order 1: every perturbed loss equals the clean one)."""
+    info = np.finfo(dtype)
+    for field in DTYPE_SCALES:
+        value = getattr(params, field, None)
+        if value is None or value == 0:
+            continue
+        if field == "pert_sigma":
+            low = float(info.eps)
+            why = (f"below {dtype}'s epsilon ({low:.4g}): a perturbation that small is "
+                   "rounded away next to activity of order 1, and every perturbed loss "
+                   "equals the clean one")
+        else:
+            low = float(info.tiny)
+            why = (f"below the smallest normal {dtype} ({low:.4g}), and is rounded towards "
+                   "0 there")
+        if abs(value) < low:
+            raise ConfigError(f"rule {name!r}: rule_params.{field}={value!r} is {why} (the "
+                              f"model applies it in {dtype}); give at least {low:.4g}"
+                              + (" (or train in float64)" if info.bits < 64 else ""))
+        if abs(value) > float(info.max):
+            raise ConfigError(f"rule {name!r}: rule_params.{field}={value!r} overflows "
+                              f"{dtype}, the dtype the model applies it in (largest "
+                              f"{float(info.max):.6g}); give a value up to that")

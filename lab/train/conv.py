@@ -48,6 +48,7 @@ from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
 from ..rules.base import check_example_needs
+from ..rules.registry import check_params_in_dtype
 from ..rules.registry import rule_params as params_of
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -134,6 +135,10 @@ class ConvConfig:
         except ConfigError as err:
             raise ConfigError(f"ConvConfig.rule_params: {err}") from None
         object.__setattr__(self, "rule_params", FrozenParams(resolved))
+        try:
+            check_params_in_dtype(self.rule, params_of(self.rule, resolved), self.dtype)
+        except ConfigError as err:
+            raise ConfigError(f"ConvConfig.rule_params: {err}") from None
 
     def preflight(self) -> None:
         """What the data decides, checked before a run starts (``lab run``, ``lab train``
