@@ -31,6 +31,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,8 +119,12 @@ def _error(exc: Exception | str) -> int:
 
 def _interrupted(out) -> int:
     # Ctrl-C: the last checkpoint is on disk; `lab runs` reads the unheld run as interrupted.
-    print(f"\ninterrupted; run the same command again to resume {out} from its last "
-          "checkpoint", file=sys.stderr)
+    if not Path(out).exists():  # stopped while starting: there is nothing to resume
+        print(f"\ninterrupted before the run started; nothing was made in {out}",
+              file=sys.stderr)
+    else:
+        print(f"\ninterrupted; run the same command again to resume {out} from its last "
+              "checkpoint", file=sys.stderr)
     return 130
 
 
@@ -686,13 +691,28 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc)
     args = parser.parse_args(argv)
     _unshield(args)
+    # SIGTERM (a job scheduler's stop, `kill`) takes Ctrl-C's path: the run ends
+    # interrupted with its message, a sweep shuts its cluster down; before, the process
+    # died silently (and a sweep's Dask left semaphores behind). Exit 143 = 128 + 15.
+    terminated = []
+
+    def on_term(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        return args.func(args)
+        code = args.func(args)
     except BrokenPipeError:
         # `lab runs ... | head`: the reader has gone, which is no error. Python would
         # complain again flushing stdout at exit, so point it at devnull first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    return 128 + signal.SIGTERM if terminated and code == 130 else code
 
 
 if __name__ == "__main__":

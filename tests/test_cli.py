@@ -509,6 +509,11 @@ def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(lab.notebook, "execute", interrupted)
     out = tmp_path / "r"
+    # Stopped before the run directory was made: nothing to resume, and it says so.
+    assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == \
+        f"interrupted before the run started; nothing was made in {out}"
+    out.mkdir()
     assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert err.strip() == (f"interrupted; run the same command again to resume {out} from its "
@@ -516,6 +521,31 @@ def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("lab.train.train_conv", interrupted)
     assert cli_main(["train", "--out", str(out), "-p", "epochs", "1"]) == 130
     assert "interrupted; run the same command again" in capsys.readouterr().err
+
+
+def test_sigterm_during_a_run_is_ctrl_c_with_exit_143(tmp_path, capsys, monkeypatch):
+    # SIGTERM killed `lab run` / `lab sweep` silently (exit -15, Dask's leaked semaphores).
+    seen = []
+
+    def terminated(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, in this frame
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(lab.notebook, "execute", terminated)
+    out = tmp_path / "r"
+    out.mkdir()
+    assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 143
+    assert capsys.readouterr().err.strip() == (
+        f"interrupted; run the same command again to resume {out} from its last checkpoint")
+    assert seen and seen[0] is not before  # lab's handler while the command ran
+    assert signal.getsignal(signal.SIGTERM) is before  # and the caller's after it
+    # Ctrl-C itself still exits 130 after a SIGTERM in an earlier call
+    monkeypatch.setattr(lab.notebook, "execute", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
 
 
 def test_runs_moved_aside_are_left_out_of_load_runs_and_load_metrics(tmp_path):
