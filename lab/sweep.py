@@ -19,7 +19,7 @@ from any working directory: ``notebook``, ``out``, ``report`` and every data pat
 among the parameters (a text parameter named ``*_path`` or ``*_dir``, such as
 ``csv_path``, ``text_path``, ``data_dir``); a blank ``notebook``, ``out`` or ``report`` (which
 would mean the working directory), an ``out`` that is or lies inside a file and
-a ``report`` that is a directory are refused at load. Every ``fixed`` and
+a ``report`` that is a directory or does not exist are refused at load. Every ``fixed`` and
 ``grid`` key must be a parameter the notebook declares (for a dotted key, its
 first part);
 ``out_dir`` is the sweep's to set. When the notebook names its config class
@@ -312,6 +312,14 @@ def _check_places(protocol: Protocol, data: dict) -> None:
         raise ProtocolError(f"protocol {protocol.source}: Protocol.report={data['report']!r} "
                             f"({protocol.report}) is a directory; give the analysis notebook "
                             "(.ipynb) `lab report` executes, or leave the key out for none")
+    if protocol.report and not Path(protocol.report).exists():
+        # Found now, not by `lab report` after the whole sweep has run.
+        report = Path(protocol.report)
+        near = sorted(p.name for p in report.parent.glob("*.ipynb")) if \
+            report.parent.is_dir() else []
+        raise ProtocolError(f"protocol {protocol.source}: Protocol.report={data['report']!r} "
+                            f"({report}) does not exist; notebooks in {report.parent}: "
+                            f"{', '.join(near) or 'none'} (or leave the key out for none)")
 
 
 def _check_notebook(protocol: Protocol, configs: bool = True):

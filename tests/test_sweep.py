@@ -569,6 +569,8 @@ def test_an_override_beaten_by_a_fixed_dotted_key_is_refused(tmp_path):
     ({"report": "adir"}, r"Protocol.report='adir' \(.*adir\) is a directory; give the analysis "
                          r"notebook \(.ipynb\)"),
     ({"notebook": "adir"}, r"notebook .*adir is a directory; give the notebook \(.ipynb\)"),
+    ({"report": "adir/nope.ipynb"}, r"Protocol.report='adir/nope.ipynb' \(.*nope.ipynb\) does "
+                                    r"not exist; notebooks in .*adir: none \(or leave the key"),
 ])
 def test_blank_and_misplaced_paths_are_refused_at_load(tmp_path, monkeypatch, capsys, fields,
                                                        message):
