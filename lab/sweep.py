@@ -524,7 +524,10 @@ def run_id_for(grid_point: dict, grid: dict | None = None) -> str:
     followed by ``-`` and the first 8 hex digits of the value's sha256, so distinct
     values give distinct ids: ``a b`` -> ``a-b-<hash>``, an emoji, the empty string,
     ``{}`` or ``[]`` -> the hash alone, a string that reads as another type (``"1"``, ``"True"``) ->
-    ``1-<hash>``. With ``grid`` (key -> all its values, as :func:`expand` passes it),
+    ``1-<hash>``. A list is its items' forms joined by ``+``, a dict ``key=value`` joined
+    by ``,``, written as themselves when each item is (``horizons-1+5``): like ``None``
+    they read as strings (``"1+5"``), which :func:`_clashing` tells apart within one
+    grid key. With ``grid`` (key -> all its values, as :func:`expand` passes it),
     values of one key whose ids would be equal ignoring letter case (``b`` and ``B``:
     one directory on macOS) all get the hash too. An id longer than
     ``MAX_RUN_ID_BYTES`` bytes of UTF-8 (a file name is at most 255, and ``--force``

@@ -1109,3 +1109,15 @@ def test_a_large_grid_refused_names_a_few_runs_and_counts_the_rest(tmp_path):
     assert "500 of 500 runs have parameters the notebook refuses" in text
     assert "parameter x must be int, got 'a'" in text
     assert text.count("fail_on-") == 8 and "and 492 more" in text and len(text) < 1500
+
+
+def test_list_and_dict_values_are_written_as_their_items_and_told_apart_from_strings():
+    # As the README says: a list joins its items with "+", a dict "key=value" with ",";
+    # the string with the same text gets the hash only when both are one key's values.
+    assert run_id_for({"horizons": [1, 5]}) == "horizons-1+5"
+    assert run_id_for({"rule_params": {"feedback_scale": 0.5}}) == \
+        "rule_params-feedback_scale=0.5"
+    grid = {"x": [[1, 5], "1+5"]}
+    ids = [run_id_for({"x": value}, grid) for value in grid["x"]]
+    assert all(re.fullmatch(r"x-1\+5-[0-9a-f]{8}", i) for i in ids) and ids[0] != ids[1]
+    assert re.fullmatch(r"x-1\+a-b-[0-9a-f]{8}", run_id_for({"x": [1, "a b"]}))  # inexact
