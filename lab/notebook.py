@@ -981,7 +981,11 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
             # trainer saved is in the moved directory, resumable from there, so the result
             # names where the run is now (the old path is gone, or another directory).
             now = Path(err.now) if err.now else None
-            return RunResult(run_id, now or out, (now or out) / OUTPUT_NOTEBOOK, "failed",
+            # Its status is what `lab runs` reads there (interrupted, or complete when the
+            # training had ended): one word for one run. Gone without a trace: failed.
+            there = runlock.inspect(now, locked=True).status if now else "failed"
+            status = "interrupted" if there in ("missing", "running") else there
+            return RunResult(run_id, now or out, (now or out) / OUTPUT_NOTEBOOK, status,
                              str(err), {}, time.perf_counter() - start, moved_aside=moved,
                              moved_away=True, moved_to=now)
     # Writing the outcome down can itself fail (a directory made read-only mid-run):

@@ -792,7 +792,10 @@ def _execute_run(notebook: str, run_dir: str, run_id: str, params: dict, threads
         return dataclasses.asdict(RunOutcome(run_id, "failed", f"{type(err).__name__}: {err}",
                                              skipped=True, wall_s=time.perf_counter() - start))
     moved = str(result.moved_aside) if result.moved_aside else None
-    return dataclasses.asdict(RunOutcome(run_id, result.status, result.error,
+    # A run directory moved away mid-run reads "interrupted" where it is now; for the
+    # sweep it is a run its `out` did not get: failed, with the error naming where it is.
+    status = "failed" if result.moved_away else result.status
+    return dataclasses.asdict(RunOutcome(run_id, status, result.error,
                                          skipped=result.skipped, wall_s=result.wall_s,
                                          moved_aside=moved))
 

@@ -1150,6 +1150,8 @@ def test_a_run_dir_moved_mid_run_is_named_where_it_is_now(tmp_path, capsys, monk
     out, moved = tmp_path / "m1", tmp_path / "m1-moved"
 
     def papermill(notebook, target, *args, **kwargs):  # the user's `mv` while it trains
+        record = records.new_record(run_id="m1", kind="notebook", config={"x": 1})
+        records.save_run(Path(target).parent, record)  # a trainer's first record: running
         if how == "renamed":
             Path(target).parent.rename(moved)
         else:
@@ -1163,6 +1165,10 @@ def test_a_run_dir_moved_mid_run_is_named_where_it_is_now(tmp_path, capsys, monk
     if how == "renamed":
         assert summary.endswith(f"-> {moved / 'notebook.ipynb'} (the run directory moved "
                                 "there; resume it there)")
+        # the word `lab runs` gives the run in its new place (it said "failed" here)
+        assert summary.startswith("m1: interrupted in ")
+        assert cli_main(["runs", str(moved)]) == 0
+        assert " interrupted " in capsys.readouterr().out
     else:
         assert summary.endswith(f"-> {out} (the run directory was moved or deleted)")
     assert "while the run worked in it" in captured.err
