@@ -196,9 +196,9 @@ def check_writable_dir(out, name: str, purpose: str = "the run") -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".lab-probe-", dir=existing))
     except OSError as err:
-        where = what if existing == out else f"{existing}, where it would be made,"
-        raise ConfigError(f"{name} {out}: nothing can be written in {where} "
-                          f"({err.strerror or err}); choose a directory you can write to") \
+        where = what if existing == out else f"{existing} (where it would be made)"
+        raise ConfigError(f"{name} {out}: nothing can be written in {where}: "
+                          f"{err.strerror or err}; choose a directory you can write to") \
             from None
 
 
