@@ -1031,8 +1031,11 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
             problems.append((path, str(err)))
             continue
         frames.append((path, frame))
-        if len(frame):
-            ids.append((path, frame["run_id"].iat[0]))
+        # A run without rows counts too: load_runs renames every run sharing an id, and a
+        # merge of the two tables on run_id must find the same names (a twin that failed
+        # before its first row left the other's curves under the old id, dropped there).
+        ids.append((path, frame["run_id"].iat[0] if len(frame) else
+                    _old_run_id(root, path).get("run_id") or _read_record(path)["run_id"]))
     if problems:
         _raise_collected(problems, "runs' metrics")
     apart = _distinct_run_ids(root, ids, "load_metrics")

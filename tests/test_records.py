@@ -610,6 +610,25 @@ def test_keyword_flags_are_bools_not_truthy_values(base_record, tmp_path):
     assert len(with_rows["trajectory"]) == with_rows["rows"]["epoch"] > 0
 
 
+def test_a_twin_without_rows_renames_the_other_run_in_load_metrics_too(base_record,
+                                                                       tmp_path):
+    # load_runs renamed both runs sharing an id; load_metrics counted only runs with rows,
+    # so the complete one kept "seed-0" there and a merge on run_id dropped its curves.
+    records.save_run(tmp_path / "A" / "seed-0", filled(base_record, run_id="seed-0",
+                                                       status="complete"))
+    empty = records.new_record(run_id="seed-0", kind="conv", config={"x": 1})
+    empty.update(status="failed", error="refused before its first row")
+    records.save_run(tmp_path / "B" / "seed-0", empty)
+    with pytest.warns(UserWarning, match="share a run_id"):
+        runs = records.load_runs(tmp_path)
+    with pytest.warns(UserWarning, match=r"load_metrics: 2 runs .* share a run_id"):
+        metrics = records.load_metrics(tmp_path)
+    assert sorted(runs["run_id"]) == ["A/seed-0", "B/seed-0"]
+    assert set(metrics["run_id"]) == {"A/seed-0"}
+    merged = metrics.merge(runs[["run_id", "status"]], on="run_id")
+    assert len(merged) == len(metrics) and set(merged["status"]) == {"complete"}
+
+
 def test_runs_sharing_a_run_id_in_different_folders_stay_apart(base_record, tmp_path):
     # Two protocols' outs each hold a rule-bp_seed-0 (or two `lab run --out` runs are
     # named alike in different folders): a groupby on run_id averaged the two runs.
