@@ -56,7 +56,8 @@ def check_mt1_complete(data) -> None:
     tables then average the seeds where it is defined, counting them (``<x>/n`` of
     ``seeds``), and show NaN where no seed defines it. A protocol without the
     ``rule_params.traffic_rule`` grid key is not MT-1: one ValueError says so, instead
-    of a list of everything such runs lack.
+    of a list of everything such runs lack; so is one whose grid varies another key
+    besides the seed (the tables are per condition and would average it in).
     """
     from .completeness import IncompleteProtocolError, find_problems
 
@@ -112,6 +113,17 @@ def _table(data) -> pd.DataFrame:
     if CONDITION not in table:
         raise ValueError(f"MT-1 needs the grid key {CONDITION!r}; this protocol's grid has "
                          f"{', '.join(sorted(data.protocol.grid))}")
+    # Every table and figure here is per condition, averaged over seeds: another grid key
+    # (a weight decay, a traffic ratio) would be averaged in silently, and its points
+    # counted as seeds. One setting per protocol, or analysis.summarize over all keys.
+    others = [key for key in data.group_keys if key != CONDITION]
+    if others:
+        raise ValueError(
+            f"MT-1 compares the traffic rules at one setting, over seeds; this protocol's "
+            f"grid also varies {', '.join(others)}, which its tables would average in. "
+            f"Put each setting in a protocol of its own (fixed: {others[0]}: ...), or "
+            f"summarise with analysis.summarize(data.table(), data.group_keys, ...), which "
+            f"keeps every grid point apart")
     return table
 
 

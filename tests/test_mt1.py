@@ -101,6 +101,23 @@ def test_a_protocol_without_the_condition_key_is_refused(data):
         mt1.final_table(data)
 
 
+def test_a_grid_with_another_key_is_refused_not_averaged_in(data):
+    # final_table grouped by the condition alone: runs at two weight decays were pooled
+    # into one mean, and counted as seeds (none 0.2815 +- 0.0672, seeds=2: one seed each).
+    data.specs = [type(s)(s.run_id, s.params, {mt1.CONDITION: s.grid[mt1.CONDITION],
+                                               "weight_decay": (0.001, 0.01)[s.grid["seed"]]})
+                  for s in data.specs]
+    assert data.group_keys == [mt1.CONDITION, "weight_decay"]
+    said = (r"MT-1 compares the traffic rules at one setting, over seeds; this protocol's "
+            r"grid also varies weight_decay, which its tables would average in")
+    for call in (lambda: mt1.final_table(data), lambda: mt1.check_mt1_complete(data),
+                 lambda: mt1.epoch_frame(data, "train_loss"),
+                 lambda: mt1.ratio_frame(data, "innovation", "traffic"),
+                 lambda: mt1.rms_panels(data), lambda: mt1.alignment_bars(data)):
+        with pytest.raises(ValueError, match=said):
+            call()
+
+
 def _set_final(data, run_ids, metric_prefix, value):
     m = data.metrics.copy()
     hit = m["run_id"].isin(run_ids) & m["metric"].str.startswith(metric_prefix)
