@@ -253,5 +253,19 @@ def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequ
         lines = "\n".join(f"  - {line}" for line in problems)
         raise IncompleteProtocolError(
             f"incomplete data: {len(problems)} problem(s) across {len(expected)} expected runs "
-            f"(only complete data is summarised; rerun the sweep to fill the gaps):\n{lines}",
-            problems)
+            f"({advice(problems)}):\n{lines}", problems)
+
+
+def advice(problems: Sequence[str]) -> str:
+    """What to do about ``problems`` (find_problems' lines): a rerun fills gaps, but a run
+    that diverged, or a non-finite value in a finished run, is what the same config
+    gives again (runs are deterministic), so "rerun the sweep" alone would not help."""
+    results = [p for p in problems if "status 'diverged'" in p or "is non-finite" in p]
+    text = "only complete data is summarised"
+    if len(results) < len(problems):
+        text += "; rerun the sweep to fill the gaps"
+    if results:
+        text += ("; a diverged run or a non-finite value is what the same config gives "
+                 "again (runs are deterministic): rerunning reproduces it, so change or "
+                 "drop that grid point, or summarise the runs without it")
+    return text

@@ -60,6 +60,7 @@ def check_mt1_complete(data) -> None:
     besides the seed (the tables are per condition and would average it in).
     """
     from .completeness import IncompleteProtocolError, find_problems
+    from .completeness import advice as completeness_advice
 
     _table(data)
     problems = find_problems(data.runs, data.metrics, data.expected_ids, ROW_METRICS,
@@ -84,9 +85,8 @@ def check_mt1_complete(data) -> None:
                               f"{why}")
     if problems or faults:
         lines = "\n".join(f"  - {line}" for line in problems + faults)
-        advice = ("only complete data is summarised; rerun the sweep to fill the gaps"
-                  if problems else "rerunning reproduces a NaN in a complete run: a fault of "
-                  "the run or the rule, not a gap")
+        advice = (completeness_advice(problems) if problems else "rerunning reproduces a "
+                  "NaN in a complete run: a fault of the run or the rule, not a gap")
         raise IncompleteProtocolError(
             f"incomplete data: {len(problems) + len(faults)} problem(s) across "
             f"{len(data.expected_ids)} expected runs ({advice}):\n{lines}", problems + faults)

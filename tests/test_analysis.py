@@ -153,6 +153,26 @@ def test_check_complete_is_generic():
     ]
 
 
+@pytest.mark.parametrize("case", ["gap", "diverged", "nan final", "both"])
+def test_the_advice_fits_the_problems(case):
+    # "rerun the sweep to fill the gaps" was the advice for a diverged run and a NaN final
+    # too, though the same config diverges again (runs are deterministic).
+    expect = {"axis": "epoch", "count": 2, "stride": 1, "metrics": ["loss"], "periodic": [],
+              "final": ["acc"]}
+    rows = [(rid, "epoch", e, "loss", 1.0) for rid in ("a", "b") for e in range(2)]
+    rows += [("a", "final", -1, "acc", 0.5),
+             ("b", "final", -1, "acc", float("nan") if case == "nan final" else 0.5)]
+    status = {"gap": ["complete", "failed"], "diverged": ["complete", "diverged"],
+              "nan final": ["complete", "complete"], "both": ["failed", "diverged"]}[case]
+    runs = pd.DataFrame({"run_id": ["a", "b"], "status": status, "error": [None] * 2,
+                         "expect": [expect, expect]})
+    with pytest.raises(IncompleteProtocolError) as err:
+        check_complete(runs, pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS)), ["a", "b"])
+    text = str(err.value).splitlines()[0]
+    assert ("rerun the sweep to fill the gaps" in text) == (case in ("gap", "both"))
+    assert ("rerunning reproduces it" in text) == (case != "gap")
+
+
 def test_spans():
     assert spans([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8"
     assert spans([]) == ""
