@@ -223,6 +223,9 @@ def _listing(values, limit: int = 30) -> str:
 def _check_fields(function: str, metrics: pd.DataFrame, table: pd.DataFrame,
                   fields: list[str], axis: str | None) -> None:
     """Every field has rows among the table's runs (on ``axis`` when given)."""
+    if not len(table):  # said as summarize says it, not as "no run has the fields"
+        raise ValueError(f"{function}: the table has no runs (one row per run is expected: "
+                         "ProtocolRuns.table(); did a filter leave no rows?)")
     rows = metrics[metrics["run_id"].isin(set(table["run_id"])) & metrics["axis"].isin(AXES)]
     if axis is not None:
         rows = rows[rows["axis"] == axis]

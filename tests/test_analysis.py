@@ -206,6 +206,12 @@ def test_summarize_and_format_refuse_an_empty_table():
     summary = summarize(table, ["lr"], ["final.test_acc"])
     with pytest.raises(ValueError, match=r"^format_mean_std: the summary has no rows"):
         format_mean_std(summary.iloc[:0])
+    # the figures say the same, not "no run of the table has field(s) ... fields there: none"
+    metrics = load_protocol_runs(FIXTURE / "protocol.yaml").metrics
+    with pytest.raises(ValueError, match=r"^learning_curves: the table has no runs .*filter"):
+        learning_curves(metrics, none, ["lr"], ["train_loss"])
+    with pytest.raises(ValueError, match=r"^curve_bands: the table has no runs .*filter"):
+        curve_bands(metrics, none, ["lr"], "train_loss")
 
 
 def test_figures_draw_a_band_per_group(tmp_path):
