@@ -76,6 +76,14 @@ def _last_epoch_problems(data) -> tuple[list[str], list[str]]:
     return problems, infinite
 
 
+def _check_rule_grid(data, function: str) -> None:
+    # First, so a protocol with a fixed rule is told so, not a KeyError further on.
+    if "rule" not in data.group_keys:
+        raise ValueError(f"{function}: the protocol {data.protocol.name!r} has no rule in its "
+                         f"grid (grid keys: {', '.join(data.group_keys) or 'seed only'}); a "
+                         "rule comparison needs a grid over rule, e.g. rule: [bp, fa, kp]")
+
+
 def check_rules_complete(data) -> None:
     """Every run complete with its alignment; rules with feedback tensors also with tracking.
 
@@ -89,6 +97,7 @@ def check_rules_complete(data) -> None:
     are a ValueError saying so, not a gap in each run (:func:`check_conv_runs`).
     """
     check_conv_runs(data, "check_rules_complete")
+    _check_rule_grid(data, "check_rules_complete")
     problems = find_problems(data.runs, data.metrics, data.expected_ids, (), FINAL_FIELDS,
                              undefined=UNDEFINED)
     with_feedback = [s.run_id for s in data.specs if s.grid.get("rule") in FEEDBACK_RULES]
@@ -488,10 +497,7 @@ def rules_table(data) -> pd.DataFrame:
     cosine is defined (mean over seeds; a collapsed network's teaching mean can be
     one population's). :func:`alignment_note` says it in words."""
     check_conv_runs(data, "rules_table")
-    if "rule" not in data.group_keys:
-        raise ValueError(f"rules_table: the protocol {data.protocol.name!r} has no rule in its "
-                         f"grid (grid keys: {', '.join(data.group_keys) or 'seed only'}); a "
-                         "rule comparison needs a grid over rule, e.g. rule: [bp, fa, kp]")
+    _check_rule_grid(data, "rules_table")
     check_rules_complete(data)
     keys = ["rule"] + [k for k in data.group_keys if k != "rule"]
     others = keys[1:]

@@ -429,6 +429,11 @@ def test_rules_table_refuses_a_grid_without_rule():
     with pytest.raises(ValueError, match=r"^rules_table: the protocol 'rules-fixture' has no "
                                          r"rule in its grid \(grid keys: seed only\)"):
         compare.rules_table(data)
+    # 11-compare-rules calls check_rules_complete first: it said KeyError
+    # "label_grid_points: column(s) rule not in the table" for a fixed rule.
+    with pytest.raises(ValueError, match=r"^check_rules_complete: the protocol 'rules-fixture' "
+                                         r"has no rule in its grid"):
+        compare.check_rules_complete(data)
 
 
 def test_undefined_names_are_a_list_not_a_bare_string():
