@@ -37,6 +37,8 @@ def test_accuracy_bars_show_each_rules_mean_spread_and_seeds(runs):
     for bar, rule in zip(ax.patches, labels):
         accs = table.loc[table["rule"] == rule, "final.test_acc"]
         assert bar.get_height() == pytest.approx(100 * accs.mean(), abs=1e-9)
+    # From 0: a bar's length is its accuracy (a cut axis exaggerated the gaps).
+    assert ax.get_ylim() == (0.0, 100.0)
     # The bars are sorted by mean accuracy, best first.
     heights = [bar.get_height() for bar in ax.patches]
     assert heights == sorted(heights, reverse=True)
