@@ -686,7 +686,11 @@ def test_curves_name_an_unknown_field_or_axis():
                                         r"got \['train_loss'\] \(list\)$"):
         curve_bands(data.metrics, table, data.group_keys, ["train_loss"])
     # A field only runs outside the table logged is not drawn as an empty panel.
+    one = table.iloc[:1]
+    others = data.metrics[~data.metrics["run_id"].isin(set(one["run_id"]))]
     with pytest.raises(ValueError, match=r"field\(s\) 'train_loss' .* fields there: none$"):
+        learning_curves(others, one, data.group_keys, ["train_loss"])
+    with pytest.raises(ValueError, match=r"^learning_curves: the table has no runs"):
         learning_curves(data.metrics, table.iloc[:0], data.group_keys, ["train_loss"])
     trajectory = records.load_record(FIXTURE / "runs" / "lr-0.2_rule-bp_seed-0")["trajectory"]
     with pytest.raises(TypeError, match=r"^run_curves: fields must be a list of tuples of field "
