@@ -253,18 +253,19 @@ def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) ->
             )
 
 
-def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str) -> None:
-    """Raise ConfigError if a factor the optimizer applies in the parameters' dtype
-    (a learning rate, a weight decay) is too large for that dtype: torch would stop the
-    run at its first step with "value cannot be converted to type float without overflow".
-    """
+def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
+                   by: str = "optimizer") -> None:
+    """Raise ConfigError if a factor the optimizer (or ``by``: the model) applies in
+    ``dtype`` (a learning rate, a weight decay, a rule's feedback scale) is too large for
+    that dtype: torch would stop the run at its first step with "value cannot be
+    converted to type float without overflow", or the model would hold inf."""
     largest = float(np.finfo(dtype).max)
     for name in names:
         value = getattr(config, name)
         if abs(value) > largest:
             raise ConfigError(
                 f"{type(config).__name__}.{name}={value!r} overflows {dtype}, the dtype the "
-                f"optimizer applies it in (largest {largest:.6g}); give a value up to that")
+                f"{by} applies it in (largest {largest:.6g}); give a value up to that")
 
 
 def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str) -> None:

@@ -605,8 +605,8 @@ def check_stored_rows(run_dir) -> None:
                 data = path.read_bytes()
             except OSError as err:
                 _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
-                      "a part written by lab.records.write_part (restore it, or replace the run: "
-              "--force)")
+                      "a part written by lab.records.write_part (restore it, or replace "
+                      "the run: --force)")
             lines = data.count(b"\n")
             if lines != end - start or not data.endswith(b"\n"):
                 _fail(record_path, f"<part {path.name}>",

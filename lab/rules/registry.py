@@ -8,7 +8,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..config import SEED_MAX, ConfigError, field_names, from_dict, plain_number, validate
+from ..config import (
+    SEED_MAX,
+    ConfigError,
+    check_in_dtype,
+    check_not_below_dtype,
+    field_names,
+    from_dict,
+    plain_number,
+    validate,
+)
 
 RULES: dict[str, type] = {}
 
@@ -129,25 +138,18 @@ def check_params_in_dtype(name: str, params, dtype: str) -> None:
     ``dtype``: below its smallest normal number or above its largest, and for
     ``pert_sigma`` below its epsilon too (a perturbation that small is rounded away next
     to activity of order 1: every perturbed loss equals the clean one)."""
-    info = np.finfo(dtype)
-    for field in DTYPE_SCALES:
-        value = getattr(params, field, None)
-        if value is None or value == 0:
-            continue
-        if field == "pert_sigma":
-            low = float(info.eps)
-            why = (f"below {dtype}'s epsilon ({low:.4g}): a perturbation that small is "
-                   "rounded away next to activity of order 1, and every perturbed loss "
-                   "equals the clean one")
-        else:
-            low = float(info.tiny)
-            why = (f"below the smallest normal {dtype} ({low:.4g}), and is rounded towards "
-                   "0 there")
-        if abs(value) < low:
-            raise ConfigError(f"rule {name!r}: rule_params.{field}={value!r} is {why} (the "
-                              f"model applies it in {dtype}); give at least {low:.4g}"
-                              + (" (or train in float64)" if info.bits < 64 else ""))
-        if abs(value) > float(info.max):
-            raise ConfigError(f"rule {name!r}: rule_params.{field}={value!r} overflows "
-                              f"{dtype}, the dtype the model applies it in (largest "
-                              f"{float(info.max):.6g}); give a value up to that")
+    fields = tuple(field for field in DTYPE_SCALES if hasattr(params, field))
+    try:
+        check_not_below_dtype(params, fields, dtype)
+        check_in_dtype(params, fields, dtype, by="model")
+    except ConfigError as err:  # named as the researcher wrote it, as rule_params() does
+        raise ConfigError(f"rule {name!r}: "
+                          + str(err).replace(f"{type(params).__name__}.", "rule_params.")) \
+            from None
+    sigma, eps = getattr(params, "pert_sigma", 0), float(np.finfo(dtype).eps)
+    if 0 < abs(sigma) < eps:
+        raise ConfigError(f"rule {name!r}: rule_params.pert_sigma={sigma!r} is below {dtype}'s "
+                          f"epsilon ({eps:.4g}): a perturbation that small is rounded away "
+                          "next to activity of order 1, and every perturbed loss equals the "
+                          f"clean one (the model applies it in {dtype}); give at least "
+                          f"{eps:.4g}")
