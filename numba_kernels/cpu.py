@@ -226,19 +226,34 @@ def _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g):
             carray(_pointer(ab, g), (N,)), carray(_pointer(aout, g), rows))
 
 
-# Two plain functions, not one closure made twice: made as a closure pair (differing only
-# in a flag), the parallel one, loaded from numba's cache after the serial one in the
-# same process, failed to return its array ("NRT_adapt_ndarray_to_python: descr is NULL").
 @njit(cache=True)
-def _mixed_at_parallel(aI, ah, aC, aP, ab, aout, B, N, g, rule):
+def _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, g, rule, parallel):
     I, h, C, P, b, out = _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g)
-    return _mixed_parallel(I, h, C, g, P, b, rule, out)
+    if parallel:
+        tot = _mixed_parallel(I, h, C, g, P, b, rule, out)
+    else:
+        tot = _mixed_serial(I, h, C, g, P, b, rule, out)
+    into = carray(_pointer(atot, tot[0]), (5,))  # float64 totals
+    into[:] = tot
 
 
 @njit(cache=True)
-def _mixed_at_serial(aI, ah, aC, aP, ab, aout, B, N, g, rule):
-    I, h, C, P, b, out = _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g)
-    return _mixed_serial(I, h, C, g, P, b, rule, out)
+def mixed_at(aI, ah, aC, aP, ab, aout, atot, B, N, gain, rule, wide, parallel):
+    """``mixed_apical`` on memory given by address, totals written to ``atot`` (5 float64).
+
+    Every argument is a python int, float or bool, the cheapest kind for numba's
+    dispatcher to type, and nothing is returned, so no array is made for the call's
+    result (each costs tens of microseconds with the Python objects out of cache).
+    One compiled function for both dtypes: ``wide`` picks float64, else float32; the
+    gain (a python float) is rounded to the dtype here, as numpy's ``float32(gain)``.
+    ``parallel`` picks the prange kernel (the caller applies ``SERIAL_BELOW``).
+    """
+    if wide:
+        _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, np.float64(gain), rule,
+                        parallel)
+    else:
+        _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, np.float32(gain), rule,
+                        parallel)
 
 
 # ---- predictor update: per-unit reductions over the batch -------------------------------

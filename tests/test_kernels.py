@@ -209,20 +209,23 @@ import sys, numpy as np
 from numba_kernels import cpu
 rng = np.random.default_rng(0)
 for which in sys.argv[1]:
-    I, h, o = (rng.standard_normal((40, 999)).astype(np.float32) for _ in range(3))
-    C, P, b = (rng.standard_normal(999).astype(np.float32) for _ in range(3))
-    kernel = {"s": cpu._mixed_at_serial, "p": cpu._mixed_at_parallel}[which]
-    tot = kernel(*(a.ctypes.data for a in (I, h, C, P, b, o)), 40, 999, np.float32(0.7), 1)
-    want = np.empty_like(o)
-    assert np.array_equal(tot, cpu._mixed_serial(I, h, C, np.float32(0.7), P, b, 1, want))
-    assert np.array_equal(o, want)
+    for dt in (np.float32, np.float64):
+        I, h, o = (rng.standard_normal((40, 999)).astype(dt) for _ in range(3))
+        C, P, b = (rng.standard_normal(999).astype(dt) for _ in range(3))
+        tot = np.full(5, np.nan)
+        cpu.mixed_at(*(a.ctypes.data for a in (I, h, C, P, b, o, tot)), 40, 999, 0.7, 1,
+                     dt is np.float64, which == "p")
+        want = np.empty_like(o)
+        assert np.array_equal(tot, cpu._mixed_serial(I, h, C, dt(0.7), P, b, 1, want))
+        assert np.array_equal(o, want)
 """
 
 
 @pytest.mark.parametrize("order", ["sp", "ps"])
 def test_address_kernels_load_from_the_cache_in_either_order(order):
-    # Both address kernels in one fresh process, twice (the second run loads both from
-    # numba's cache): as a closure pair, the parallel one failed after the serial one.
+    # The address kernel, serial and parallel, both dtypes, in one fresh process, twice
+    # (the second run loads it from numba's cache): an earlier pair of address kernels,
+    # made as closures, failed when the parallel one loaded after the serial one.
     import subprocess
     import sys
 
