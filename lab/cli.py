@@ -704,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
         code = args.func(args)
+    except KeyboardInterrupt:
+        # One the command does not handle itself (those around a run's or a report's
+        # writes say what was kept), e.g. while it imports its modules.
+        print(f"\ninterrupted; `lab {args.command}` stopped before it changed any run or "
+              "report", file=sys.stderr)
+        code = 130
     except BrokenPipeError:
         # `lab runs ... | head`: the reader has gone, which is no error. Python would
         # complain again flushing stdout at exit, so point it at devnull first.

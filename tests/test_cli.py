@@ -548,6 +548,34 @@ def test_sigterm_during_a_run_is_ctrl_c_with_exit_143(tmp_path, capsys, monkeypa
     assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
 
 
+def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    # A Ctrl-C in the first second of `lab ...` (importing) printed Python's traceback.
+    # While a command imports its modules (here: `lab runs` reading a table):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab.cli, "_runs", interrupted)
+    assert cli_main(["runs", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted; `lab runs` stopped before it changed any run or report")
+    # While the console script imports lab.cli itself:
+    import builtins
+
+    import lab.__main__ as entry
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        if name == "lab.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+    assert entry.main() == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted while lab was starting; nothing was done")
+
+
 def test_runs_moved_aside_are_left_out_of_load_runs_and_load_metrics(tmp_path):
     for name, loss in (("r", 1.0), ("r.old-20261130T170000Z", 2.0)):
         record = records.new_record(run_id="r", kind="notebook", config={"x": loss})
