@@ -17,10 +17,12 @@ parameter and what it lacks, not a bare KeyError or an empty figure.
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Sequence
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from lab.records import TIDY_COLUMNS
 
@@ -36,6 +38,16 @@ class NotebookFigure(Figure):
         buffer = io.BytesIO()
         self.savefig(buffer, format="png", dpi=100)
         return buffer.getvalue()
+
+
+def style_axes(ax, xlabel: str, ylabel: str | None = None) -> None:
+    """Axis labels, a long y label wrapped to the panel's height (it was cut off), and
+    whole epochs on an epoch axis (ticks fell on 0.25 epochs)."""
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(textwrap.fill(ylabel, 34))
+    if xlabel == "epoch":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _label(field: str) -> str:
@@ -83,7 +95,7 @@ def run_curves(trajectory: list[dict], fields: Sequence[tuple[str, ...]] = (
             if points:
                 ax.plot(*zip(*points), marker="o" if len(points) <= 50 else None,
                         markersize=3, label=_label(field))
-        ax.set_xlabel(axis)
+        style_axes(ax, axis)
         if ax.lines:
             ax.legend()
     if title:
@@ -271,8 +283,7 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
             std = rows["std"].fillna(0.0)  # one seed: no band
             ax.fill_between(rows[on], rows["mean"] - std, rows["mean"] + std,
                             color=line.get_color(), alpha=0.25, linewidth=0)
-        ax.set_xlabel(on)
-        ax.set_ylabel(_label(field))
+        style_axes(ax, on, _label(field))
         if ax.lines:
             ax.legend(fontsize="small")
     return fig

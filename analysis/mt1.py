@@ -22,6 +22,7 @@ import pandas as pd
 
 from .checks import flag
 from .figures import NotebookFigure as Figure
+from .figures import style_axes
 
 CONDITION = "rule_params.traffic_rule"
 SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
@@ -202,8 +203,7 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
     ax = fig.subplots()
     for condition in frame.columns:
         ax.plot(frame.index, frame[condition], label=condition)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
+    style_axes(ax, "epoch", ylabel)
     if log:
         ax.set_yscale("log")
     ax.legend(fontsize="small", title="traffic_rule")
@@ -221,7 +221,7 @@ def rms_panels(data) -> Figure:
             ax.plot(frame.index, frame[condition], label=signal)
         ax.set_title(condition)
         ax.set_yscale("log")
-        ax.set_xlabel("epoch")
+        style_axes(ax, "epoch")
     axes[0].set_ylabel("RMS (mean over populations)")
     axes[-1].legend(fontsize="small")
     return fig

@@ -10,6 +10,7 @@ Figures are ``analysis.figures.NotebookFigure`` (no pyplot state).
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +20,7 @@ from lab import records
 from .checks import check_group_keys, config_twins, listing
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
-from .figures import check_tables
+from .figures import check_tables, style_axes
 
 # Quantities the README and the comparison notebook report per rule (each run's
 # record declares its rows; these are what this analysis needs on top).
@@ -222,8 +223,8 @@ def lines_per_rule(frame: pd.DataFrame, ylabel: str, rules=None) -> Figure:
         ax.set_title(rule)
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="grey", linewidth=0.5)
-        ax.set_xlabel("epoch")
-    axes[0].set_ylabel(ylabel)
+        style_axes(ax, "epoch")
+    axes[0].set_ylabel(textwrap.fill(ylabel, 28))
     for ax in axes[len(rules):]:
         ax.set_visible(False)
     return fig
@@ -236,8 +237,7 @@ def mean_lines(frame: pd.DataFrame, ylabel: str) -> Figure:
     for rule, part in frame.groupby("rule", sort=True):
         mean = part.groupby("epoch")["value"].mean()
         ax.plot(mean.index, mean.values, label=rule)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
+    style_axes(ax, "epoch", ylabel)
     ax.legend(fontsize="small", ncol=2)
     return fig
 

@@ -78,6 +78,21 @@ def test_feedback_cosine_only_for_rules_with_feedback(runs):
     assert list(line.get_ydata()) == pytest.approx(list(mean.values), abs=1e-12)
 
 
+def test_epoch_figures_tick_whole_epochs_and_wrap_long_labels(runs):
+    # The teaching-cosine figure's y label was cut off and its ticks fell on 0.25 epochs.
+    _, table, metrics = runs
+    frame = compare.per_name_over_epochs(metrics, table, "alignment/teaching_cos/")
+    label = "mean over populations of cos(teaching, BP gradient)"
+    for fig in (compare.mean_lines(frame, label), compare.lines_per_rule(frame, label)):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        ticks = ax.get_xticks()
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+        assert "\n" in ax.get_ylabel() and ax.get_ylabel().replace("\n", " ") == label
+        box = ax.yaxis.label.get_window_extent()
+        assert box.y0 >= 0 and box.y1 <= fig.bbox.height  # inside the figure
+
+
 def test_compute_bill_per_rule(runs):
     root, table, _ = runs
     bill = compare.compute_bill(table, root)
