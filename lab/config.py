@@ -30,6 +30,7 @@ DISPLAY_ONLY = frozenset({"progress"})
 # The largest seed every generator a run seeds accepts (torch takes a signed 64-bit
 # integer): a seed field is ``bounded(0, 0, SEED_MAX)``.
 SEED_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the largest count a config takes (a torch / numpy int64)
 
 
 def identity(config: dict) -> dict:
@@ -239,14 +240,19 @@ def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) ->
         # compared as it is, never converted (math.isfinite would overflow on it)
         huge = (not isinstance(value, float) and annotation is not int
                 and abs(value) > sys.float_info.max)
-        bad = huge or (isinstance(value, float) and not math.isfinite(value))
+        # a count beyond int64 is no size torch or numpy can hold (width=2**70 passed)
+        wide = annotation is int and hi is None and abs(value) > INT64_MAX
+        bad = huge or wide or (isinstance(value, float) and not math.isfinite(value))
         bad |= lo is not None and (value < lo or (lo_open and value == lo))
         bad |= hi is not None and (value > hi or (hi_open and value == hi))
         if bad:
             shown = repr(value)
             if len(shown) > 40:  # a 400-digit int: its size is what matters
                 shown = f"{shown[:6]}...{shown[-3:]} ({len(shown)} digits)"
-            beyond = " (beyond any float: |value| <= 1.8e308)" if huge else ""
+            beyond = (" (beyond any float: |value| <= 1.8e308)" if huge else
+                      f" (beyond a 64-bit integer: |value| <= {INT64_MAX})" if wide else "")
+            if wide:
+                hi = INT64_MAX
             raise ConfigError(
                 f"{owner}.{name}={shown} is out of range{beyond}; allowed: "
                 f"{_interval(lo, hi, lo_open, hi_open)}"
@@ -268,17 +274,19 @@ def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
                 f"{by} applies it in (largest {largest:.6g}); give a value up to that")
 
 
-def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str) -> None:
-    """Raise ConfigError if a positive scale the model applies in ``dtype`` (a Huber
-    delta) is below its smallest normal number: it would be rounded towards 0 there, and
-    the loss it shapes silently becomes another one."""
+def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
+                          by: str = "model") -> None:
+    """Raise ConfigError if a positive scale the model (or ``by``: the optimizer) applies
+    in ``dtype`` (a Huber delta, a learning rate) is below its smallest normal number: it
+    would be rounded towards 0 there, and the loss it shapes, or the step it scales,
+    silently becomes another one (at lr=1e-45 in float32 no weight moved)."""
     tiny = float(np.finfo(dtype).tiny)
     for name in names:
         value = getattr(config, name)
         if 0 < abs(value) < tiny:
             raise ConfigError(
                 f"{type(config).__name__}.{name}={value!r} is below the smallest normal "
-                f"{dtype} ({tiny:.4g}), the dtype the model applies it in; give at least that")
+                f"{dtype} ({tiny:.4g}), the dtype the {by} applies it in; give at least that")
 
 
 def plain_number(value: Any, annotation: Any) -> Any:

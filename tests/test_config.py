@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 
 import numpy as np
@@ -195,3 +196,36 @@ def test_an_optimizer_factor_beyond_the_dtype_is_refused(cls, name, dtype):
     with pytest.raises(ConfigError, match=rf"^{cls}\.{name}=1e\+39 overflows float32, the "
                        r"dtype the optimizer applies it in \(largest 3\.40282e\+38\)"):
         config_cls(**{name: 1e39}, **extra)
+
+
+@pytest.mark.parametrize("cls, name, by", [
+    ("ConvConfig", "lr", "optimizer"), ("ConvConfig", "weight_decay", "optimizer"),
+    ("ConvConfig", "grad_clip", "optimizer"), ("ConvConfig", "residual_scale", "model"),
+    ("EPConfig", "lr", "optimizer"), ("EPConfig", "grad_clip", "optimizer"),
+    ("CfCAuxConfig", "aux_lr", "optimizer")])
+def test_a_positive_factor_below_the_dtypes_smallest_normal_is_refused(cls, name, by):
+    # lr=1e-45 in float32 moved no weight, grad_clip=1e-320 zeroed every gradient and
+    # residual_scale=1e-320 removed the residual branch: each ran to "complete".
+    import lab.train
+
+    config_cls = getattr(lab.train, cls)
+    tiny = float(np.finfo(np.float32).tiny)
+    assert getattr(config_cls(**{name: tiny}), name) == tiny  # the limit itself is allowed
+    with pytest.raises(ConfigError, match=rf"^{cls}\.{name}=1e-40 is below the smallest "
+                       rf"normal float32 \(1\.175e-38\), the dtype the {by} applies it in"):
+        config_cls(**{name: 1e-40})
+    if cls != "CfCAuxConfig":  # float64 holds it (CfC's model is float32 only)
+        assert getattr(config_cls(**{name: 1e-40}, dtype="float64"), name) == 1e-40
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"width": 2**70}, "ConvConfig.width"), ({"epochs": 2**63}, "ConvConfig.epochs"),
+    ({"rule": "nodepert", "rule_params": {"pert_directions": 2**70}},
+     "rule_params.pert_directions")])
+def test_a_count_beyond_int64_is_refused(kwargs, field):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{field}={2**70 if 'epochs' not in field else 2**63} is out of range (beyond a "
+            "64-bit integer: |value| <= 9223372036854775807); allowed: [1, "
+            "9223372036854775807]")):
+        ConvConfig(**kwargs)
+    assert ConvConfig(width=2**63 - 1).width == 2**63 - 1  # the limit itself is a config

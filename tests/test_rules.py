@@ -651,6 +651,13 @@ def test_make_rule_takes_the_rules_params_instance():
 def test_unknown_rule_lists_known():
     with pytest.raises(ConfigError, match=r"unknown rule 'hebb'; known rules: bp, brsf"):
         make_rule("hebb", nn.Linear(2, 2))
+    # a list was a raw "TypeError: unhashable type: 'list'"
+    from lab.rules import resolve_params
+
+    for call in (lambda: resolve_params(["kp"], {}), lambda: make_rule(["kp"], nn.Linear(2, 2))):
+        with pytest.raises(ConfigError, match=re.escape(
+                "unknown rule ['kp'] (list; a rule is a name); known rules: bp, brsf")):
+            call()
 
 
 def test_per_example_cosine_skips_examples_without_gradient():
@@ -949,6 +956,12 @@ UNREPRESENTABLE = [
     ("wm", "mirror_sigma", 1e39, r"overflows float32"),
     ("nodepert", "pert_sigma", 1e-9, r"below float32's epsilon \(1\.192e-07\).*rounded away"),
     ("lhfa", "pert_sigma", 1e-8, r"below float32's epsilon"),
+    ("kp_traffic", "traffic_ratio", 1e-40, r"below the smallest normal float32"),
+    ("kp_traffic", "predictor_lr", 1e-39, r"below the smallest normal float32"),
+    ("sdil", "traffic_ratio", 1e-40, r"below the smallest normal float32"),
+    ("wm", "mirror_lr", 1e-39, r"below the smallest normal float32"),
+    ("wm", "mirror_decay", 1e-45, r"below the smallest normal float32"),
+    ("lhfa", "eta_A", 1e-40, r"below the smallest normal float32"),
 ]
 
 

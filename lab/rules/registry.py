@@ -63,9 +63,10 @@ def register(cls):
 def rule_class(name: str) -> type:
     try:
         return RULES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name (a list)
+        kind = "" if isinstance(name, str) else f" ({type(name).__name__}; a rule is a name)"
         raise ConfigError(
-            f"unknown rule {name!r}; known rules: {', '.join(sorted(RULES))}"
+            f"unknown rule {name!r}{kind}; known rules: {', '.join(sorted(RULES))}"
         ) from None
 
 
@@ -127,10 +128,13 @@ def make_rule(name: str, model, params=None, *, seed: int = 0):
 
 
 # Scales a rule applies in the model's dtype: feedback (B, D) is drawn at feedback_scale,
-# probes at mirror_sigma, perturbations at pert_sigma. A value the dtype cannot hold is
-# rounded to 0 or inf there: at feedback_scale 1e-300 in float32 every hidden layer got
-# no teaching signal and the run still ended "complete" (only the read-out learned).
-DTYPE_SCALES = ("feedback_scale", "mirror_sigma", "pert_sigma")
+# probes at mirror_sigma, perturbations at pert_sigma; the traffic gain, the predictor's,
+# the mirrors' and A's steps multiply tensors of that dtype too. A value the dtype cannot
+# hold is rounded to 0 or inf there: at feedback_scale 1e-300 in float32 every hidden
+# layer got no teaching signal and the run still ended "complete" (only the read-out
+# learned). Zero, where a rule allows it (no traffic, no decay), is not checked.
+DTYPE_SCALES = ("feedback_scale", "mirror_sigma", "pert_sigma", "traffic_ratio",
+                "predictor_lr", "mirror_lr", "mirror_decay", "eta_A")
 
 
 def check_params_in_dtype(name: str, params, dtype: str) -> None:

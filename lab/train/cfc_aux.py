@@ -149,6 +149,7 @@ class CfCAuxConfig:
         validate(self)
         check_in_dtype(self, ("lr", "aux_lr"), "float32")  # the model is float32
         check_not_below_dtype(self, ("huber_delta",), "float32")
+        check_not_below_dtype(self, ("lr", "aux_lr"), "float32", by="optimizer")
         try:
             check_horizons(self.horizons, self.main_horizon)
         except DataError as err:

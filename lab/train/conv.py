@@ -33,6 +33,7 @@ from ..config import (
     FrozenParams,
     bounded,
     check_in_dtype,
+    check_not_below_dtype,
     choice,
     known_keywords,
     validate,
@@ -112,6 +113,9 @@ class ConvConfig:
         # later reader or resume.
         object.__setattr__(self, "data_dir", absolute(self.data_dir))
         check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
+        check_not_below_dtype(self, ("lr", "weight_decay", "grad_clip"), self.dtype,
+                              by="optimizer")
+        check_not_below_dtype(self, ("residual_scale",), self.dtype)
         if (self.depth - 2) % 6:
             raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
                               "(8, 14, 20, 32, 44, 56, 110)")

@@ -74,6 +74,7 @@ from ..config import (
     ConfigError,
     bounded,
     check_in_dtype,
+    check_not_below_dtype,
     choice,
     known_keywords,
     validate,
@@ -144,6 +145,8 @@ class EPConfig:
     def __post_init__(self):
         validate(self)
         check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
+        check_not_below_dtype(self, ("lr", "weight_decay", "grad_clip"), self.dtype,
+                              by="optimizer")
         if self.d_model % self.n_heads:
             raise ConfigError(f"EPConfig.d_model={self.d_model} is not divisible by "
                               f"n_heads={self.n_heads}; each head gets d_model / n_heads "
