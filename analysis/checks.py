@@ -102,6 +102,16 @@ def config_twins(missing, columns) -> str:
             f"{{'config.{missing[0]}': '{missing[0]}'}}))")
 
 
+def unrun_hint(missing, table: pd.DataFrame) -> str:
+    """A hint for ``final.*`` columns a protocol table lacks because none of its runs has
+    a record yet (``ProtocolRuns.table()`` before the sweep: status is empty), or ""."""
+    if (not any(str(c).startswith("final.") for c in missing) or "status" not in table
+            or not len(table) or table["status"].notna().any()):
+        return ""
+    return (f"; no run of the table has a record yet ({len(table)} of {len(table)} not "
+            "found: run the protocol's sweep first, `lab sweep <protocol>`)")
+
+
 def check_kind(data, kind: str, caller: str, needs: str) -> None:
     """Refuse a protocol whose runs another trainer made: a summary written for ``kind``
     runs would otherwise fail on the first field they lack (a bare KeyError) or call

@@ -17,7 +17,7 @@ import pandas as pd
 
 from lab import records
 
-from .checks import check_group_keys, config_twins, listing
+from .checks import check_group_keys, config_twins, listing, unrun_hint
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
 from .figures import check_tables, style_axes
@@ -140,8 +140,8 @@ def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:
     missing = [c for c in columns if c not in table.columns]
     if missing:
         raise KeyError(f"{caller}: column(s) {', '.join(missing)} not in the table"
-                       f"{config_twins(missing, table.columns)}; columns: "
-                       f"{listing(table.columns, 20)}")
+                       f"{config_twins(missing, table.columns)}{unrun_hint(missing, table)}; "
+                       f"columns: {listing(table.columns, 20)}")
     if not len(table):
         raise ValueError(f"{caller}: the table has no runs (one row per run is expected: "
                          "ProtocolRuns.table())")

@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab.records import RUN_COLUMNS
 
-from .checks import check_group_keys, config_twins, dataframe, listing, names
+from .checks import check_group_keys, config_twins, dataframe, listing, names, unrun_hint
 
 _ALL = "all runs"
 _STATS = ("mean", "std", "n")
@@ -103,8 +103,8 @@ def summarize(table: pd.DataFrame, group_keys: list[str], metrics: list[str]) ->
     missing = [c for c in group_keys + metrics if c not in table.columns]
     if missing:
         raise KeyError(f"summarize: column(s) {', '.join(missing)} not in the table"
-                       f"{config_twins(missing, table.columns)}; columns: "
-                       f"{listing(table.columns, 20)}")
+                       f"{config_twins(missing, table.columns)}{unrun_hint(missing, table)}; "
+                       f"columns: {listing(table.columns, 20)}")
     made = ["n"] + [f"{metric}/{stat}" for metric in metrics for stat in _STATS]
     clashes = [key for key in group_keys if key in made]
     if clashes:

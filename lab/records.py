@@ -576,12 +576,21 @@ def _read_part(path: Path, start: int, end: int, record_path) -> list:
 
 
 def read_rows(run_dir, axis: str, count: int) -> list[dict]:
-    """Rows [0, count) of ``axis``, validated, as the dicts that were logged."""
+    """Rows [0, count) of ``axis``, validated, as the dicts that were logged.
+
+    A bad row is named by the part that holds it and its place on the axis
+    (``rows/epoch/000000001-000000002.jsonl: field 'epoch[1].loss' ...``): the file to
+    look at, not the record that counts the rows."""
     record_path = Path(run_dir) / RECORD_FILE
-    rows = []
+    rows, previous = [], None
     for start, end, path in _chain(Path(run_dir), axis, count, record_path):
-        rows += _read_part(path, start, end, record_path)
-    _check_rows(rows, axis, ROW_KEYS[axis], record_path)
+        part = _read_part(path, start, end, record_path)
+        for i, row in enumerate(part, start):
+            where = f"{axis}[{i}]"
+            check_row(row, axis, where, path)
+            _check_order(row[axis], i, previous, axis, where, path)
+            previous = row[axis]
+        rows += part
     return rows
 
 

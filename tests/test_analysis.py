@@ -125,6 +125,22 @@ def test_missing_runs_directory_lists_every_run(fixture_copy):
         data.check_complete(TRAJECTORY, FINAL)
 
 
+def test_summarize_before_the_sweep_says_no_run_has_a_record(fixture_copy):
+    # It said only "column(s) final.test_acc not in the table; columns: run_id, ...".
+    shutil.rmtree(fixture_copy / "runs")
+    table = load_protocol_runs(fixture_copy / "protocol.yaml").table()
+    with pytest.raises(KeyError, match=re.escape(
+            "summarize: column(s) final.test_acc not in the table; no run of the table has a "
+            "record yet (4 of 4 not found: run the protocol's sweep first, `lab sweep "
+            "<protocol>`); columns: ")):
+        summarize(table, ["lr"], ["final.test_acc"])
+    # with some runs there, a final field none of them has gets no such hint
+    table = load_protocol_runs(FIXTURE / "protocol.yaml").table()
+    with pytest.raises(KeyError) as err:
+        summarize(table, ["lr"], ["final.nope"])
+    assert "no run of the table has a record" not in str(err.value)
+
+
 def test_check_complete_is_generic():
     # An MT-1-like trajectory: any fields, each run's own declaration, others ignored.
     rows = [(rid, "epoch", e, m, 1.0) for rid, n in (("a", 3), ("b", 5), ("z", 1))

@@ -287,13 +287,12 @@ def _edit_row(axis, i, edit):
 
 
 PART_CORRUPTIONS = {
-    "epoch_gap": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 3)), "trajectory[1].epoch"),
-    "epoch_float": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 1.5)), "trajectory[1].epoch"),
-    "metric_string": ("epoch", _edit_row("epoch", 0, _set(["loss"], "low")),
-                      "trajectory[0].loss"),
+    "epoch_gap": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 3)), "epoch[1].epoch"),
+    "epoch_float": ("epoch", _edit_row("epoch", 1, _set(["epoch"], 1.5)), "epoch[1].epoch"),
+    "metric_string": ("epoch", _edit_row("epoch", 0, _set(["loss"], "low")), "epoch[0].loss"),
     "nested_metric_string": ("epoch", _edit_row("epoch", 1, _set(["alignment", "fc"], "n/a")),
-                             "trajectory[1].alignment.fc"),
-    "steps_descending": ("step", _edit_row("step", 1, _set(["step"], 0)), "steps[1].step"),
+                             "epoch[1].alignment.fc"),
+    "steps_descending": ("step", _edit_row("step", 1, _set(["step"], 0)), "step[1].step"),
     "row_lost": ("epoch", lambda lines: lines[:1], "<part 000000000-000000002.jsonl>"),
     "half_line": ("step", lambda lines: [lines[0], lines[1][:5]],
                   "<part 000000000-000000002.jsonl>"),
@@ -307,11 +306,15 @@ def test_corrupt_row_part_names_record_and_row(tmp_path, base_record, name):
     path = records.save_run(run_dir, filled(base_record))
     part = next((run_dir / "rows" / axis).iterdir())
     part.write_text("\n".join(corrupt(part.read_text().splitlines())) + "\n")
+    # A bad row is named by its part (the file to look at) and its place on the axis; a
+    # part that lost rows, by the record that counts them and the part's name.
+    where = path if field.startswith("<part") else part
     for load in (records.load_record, records.run_metrics):
         with pytest.raises(RecordError) as info:
             load(run_dir)
         message = str(info.value)
-        assert str(path) in message and f"'{field}'" in message and "allowed" in message
+        assert message.startswith(f"{where}: field '{field}' is ") and "allowed" in message
+        assert "trajectory" not in message
 
 
 def test_bad_status_message_shows_value_and_choices(base_record):
