@@ -547,6 +547,9 @@ def _report(args) -> int:
         if args.notebook and protocol.report and (Path(args.notebook).resolve()
                                                   != Path(protocol.report).resolve()):
             base = f"{protocol.name}.{Path(args.notebook).stem}"
+        if (out / base).resolve().parent != out.resolve():  # the report replaces out/base
+            raise ConfigError(f"the report's name {base!r} is not a plain name inside --out "
+                              f"{out}; rename the protocol (or the notebook)")
         with _report_lock(out, base):
             _check_report_owner(out, base, protocol.name, params["protocol"])
             # Executed aside, then put in place: a failed report (e.g. incomplete data) never

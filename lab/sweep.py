@@ -91,6 +91,7 @@ from .config import ConfigError, bounded, field_names, read_yaml_mapping, valida
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+_-]+")  # outside a protocol name's characters
+_REPORT_SUFFIXES = (".pending", ".failed", ".html")  # lab report's own names
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-_")
 _KEY_CHARS = _ID_CHARS - {"=", ","}  # a dict key inside an id: a parameter name
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
@@ -127,6 +128,15 @@ class Protocol:
             raise ProtocolError(f"Protocol.name={self.name!r} is not allowed; use a non-empty "
                                 "name of ASCII letters, digits and . = , + - _ (it names "
                                 "directories and report files)")
+        # '.' and '..' name the reports directory and its parent, which `lab report` would
+        # replace (rmtree) with the report; a leading dot hides the report; the suffixes
+        # are the names of another protocol's report in progress or failed.
+        if self.name.startswith(".") or self.name.endswith(_REPORT_SUFFIXES):
+            raise ProtocolError(
+                f"Protocol.name={self.name!r} is not allowed: a name may not start with '.' "
+                f"(it names a directory beside the others: '.' and '..' are the reports "
+                f"directory and its parent) or end with {' or '.join(_REPORT_SUFFIXES)} "
+                "(another report's working names); e.g. 'mt1-quick'")
         if not self.grid:
             raise ProtocolError("Protocol.grid is empty; give at least one parameter with a "
                                 "list of values, e.g. grid: {seed: [0, 1]}")

@@ -84,6 +84,14 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"colour": "red"}, r"unknown key\(s\) colour; allowed: name, notebook, out, grid, fixed"),
     ({"workers": 0}, r"Protocol.workers=0 is out of range"),
     ({"name": "a/b"}, r"Protocol.name='a/b' is not allowed"),
+    # '..' and '.' made `lab report` rmtree the reports directory's parent / itself
+    ({"name": ".."}, r"Protocol.name='\.\.' is not allowed: a name may not start with '\.' "
+                     r"\(it names a directory beside the others: '\.' and '\.\.' are the "
+                     r"reports directory and its parent\)"),
+    ({"name": "."}, r"Protocol.name='\.' is not allowed: a name may not start with"),
+    ({"name": ".hidden"}, r"Protocol.name='\.hidden' is not allowed"),
+    ({"name": "x.failed"}, r"Protocol.name='x\.failed' is not allowed: .* or end with "
+                           r"\.pending or \.failed or \.html \(another report's"),
     ({"name": "uni-ü"}, r"Protocol.name='uni-ü' is not allowed; use a non-empty name of ASCII "
                         r"letters, digits and \. = , \+ - _ \(it names directories"),
 ])
@@ -94,6 +102,8 @@ def test_bad_protocols(tmp_path, fields, message):
 
 def test_a_protocol_name_may_hold_an_underscore(tmp_path):
     assert load_protocol(write_protocol(tmp_path / "p.yaml", name="my_study")).name == "my_study"
+    for name in ("a..b", "v1.2", "x.failed-not"):  # dots inside a name are fine
+        assert load_protocol(write_protocol(tmp_path / "p.yaml", name=name)).name == name
 
 
 def test_protocol_file_problems(tmp_path):
