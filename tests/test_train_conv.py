@@ -641,3 +641,35 @@ def test_a_run_failed_after_training_gets_its_record_back_on_rerun(tiny, tmp_pat
     assert on_disk["work"] == done["work"] and on_disk["final"] == done["final"]
     assert on_disk["data"] == done["data"]
     assert len(records.load_record(tmp_path / "r")["trajectory"]) == 2
+
+
+@pytest.mark.parametrize("depth, width, dataset", [(8, 4, "mnist1d"), (20, 16, "cifar10"),
+                                                    (14, 3, "digits"), (32, 5, "mnist1d")])
+def test_the_weight_count_is_the_built_models(depth, width, dataset):
+    from lab.data import DATA_SPECS
+    from lab.models import ResNet
+
+    spec = DATA_SPECS[dataset]
+    model = ResNet(depth, width, dims=spec.dims, in_channels=spec.in_channels,
+                   n_classes=spec.n_classes)
+    built = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    assert ResNet.weight_count(depth, width, spec.dims, spec.in_channels,
+                               spec.n_classes) == built
+
+
+@pytest.mark.parametrize("field, value", [("width", 2**63 - 1), ("depth", 999999998)])
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(
+        tmp_path, capsys, field, value):
+    # width=2**63-1 died in torch ("Storage size calculation overflowed"), with a traceback;
+    # depth=999999998 hung while the model was built.
+    config = ConvConfig(**{field: value}, epochs=1)
+    with pytest.raises(ConfigError, match=rf"^ConvConfig: a ResNet-{config.depth} of width "
+                       rf"{config.width} on mnist1d has .* weights: with their gradients, "
+                       r"momentum and feedback about .* GiB in float32, more than this "
+                       r"machine's .* GiB; give a smaller depth or width"):
+        config.preflight()
+    assert cli_main(["train", "--out", str(tmp_path / "r"), "-p", field, str(value),
+                     "-p", "epochs", "1"]) == 2
+    assert "more than this machine's" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    ConvConfig(depth=110, width=64, epochs=1).preflight()  # large, but it fits

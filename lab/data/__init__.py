@@ -89,6 +89,7 @@ _SPECS = {
     "digits": _Spec(in_channels=1, n_classes=10, dims=2, augment="none"),
     "cifar10": _Spec(in_channels=3, n_classes=10, dims=2, augment="crop_flip"),
 }
+DATA_SPECS = _SPECS  # each dataset's shape (channels, classes, dims), known without loading it
 
 
 def default_data_dir() -> Path:

@@ -108,6 +108,20 @@ class ResNet(nn.Module):
         pooled = h.mean(dim=tuple(range(2, h.ndim)))  # (B, 4w)
         return self.fc(pooled)  # (B, n_classes)
 
+    @staticmethod
+    def weight_count(depth: int, width: int, dims: int, in_channels: int,
+                     n_classes: int) -> int:
+        """Conv and Linear weights of this architecture, from its sizes alone (python ints:
+        exact for any size): what a run checks before it builds a model that cannot fit."""
+        n, k = (depth - 2) // 6, 3 ** dims
+        count = k * in_channels * width  # stem
+        c_in = width
+        for c_out in (width, 2 * width, 4 * width):
+            count += k * c_in * c_out + k * c_out * c_out  # the first block of the stage
+            count += (n - 1) * 2 * k * c_out * c_out  # the others
+            c_in = c_out
+        return count + c_in * n_classes + n_classes  # read-out
+
     def layer_macs(self, example_shape: tuple[int, ...]) -> dict[str, int]:
         """Multiply-accumulates of each Conv/Linear for one example of ``example_shape``
         (C, *spatial), from the architecture alone (no forward pass)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from ..config import (
     known_keywords,
     validate,
 )
-from ..data import DATASETS, DataError, load_dataset, train_size
+from ..data import DATA_SPECS, DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
 from ..data.identity import absolute
@@ -144,6 +145,24 @@ class ConvConfig:
         except ConfigError as err:
             raise ConfigError(f"ConvConfig.rule_params: {err}") from None
 
+    def _check_model_fits(self) -> None:
+        """ConfigError if the weights alone, with their gradients, momentum and a rule's
+        feedback copy (4 tensors each), exceed this machine's memory: width=2**63-1 died
+        in torch with "Storage size calculation overflowed", depth=999999998 hung while
+        the model was built."""
+        spec = DATA_SPECS[self.dataset]
+        weights = ResNet.weight_count(self.depth, self.width, spec.dims, spec.in_channels,
+                                      spec.n_classes)
+        need = 4 * weights * torch.finfo(getattr(torch, self.dtype)).bits // 8
+        memory = _memory_bytes()
+        if memory is not None and need > memory:
+            raise ConfigError(
+                f"ConvConfig: a ResNet-{self.depth} of width {self.width} on {self.dataset} has "
+                f"{weights:.3g} weights: with their gradients, momentum and feedback about "
+                f"{need / 2**30:.3g} GiB in {self.dtype}, more than this machine's "
+                f"{memory / 2**30:.3g} GiB; give a smaller depth or width (ResNet-20: "
+                "depth 20, width 16)")
+
     def preflight(self) -> None:
         """What the data decides, checked before a run starts (``lab run``, ``lab train``
         and a sweep's pre-check call it): n_train, the examples the rule's preparation
@@ -151,6 +170,7 @@ class ConvConfig:
         machine has. ConfigError if not."""
         resolve_device(self.device)
         check_threads(self.threads)
+        self._check_model_fits()
         try:
             available = train_size(self.dataset, data_dir=self.data_dir or None,
                                    val_fraction=self.val_fraction, n_train=self.n_train)
@@ -172,6 +192,14 @@ class ConvConfig:
                 f"steps; this run has {steps} (epochs={self.epochs} x ceil({available} "
                 f"training examples / batch_size={self.batch_size})); use schedule='constant' "
                 "or 'cosine', more epochs or a smaller batch_size")
+
+
+def _memory_bytes() -> int | None:
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _evaluate(model, split, batch_size) -> tuple[float, float]:
