@@ -578,12 +578,24 @@ def test_conv_config_is_frozen_all_the_way_down():
 
 def test_switching_the_rule_with_replace_names_the_params_to_pass():
     import dataclasses
-    with pytest.raises(ConfigError, match=r"ConvConfig.rule_params: rule 'bp' has no "
-                                          r"parameter\(s\) 'feedback_scale', 'feedback_seed'; it "
-                                          r"takes no parameters; .* \(changing a config's rule "
-                                          r"with dataclasses.replace\? pass rule_params for the "
-                                          r"new rule too"):
+    # The filled-in defaults of the old rule are named as such, with the replace advice,
+    # not blamed as parameters the user gave for another rule ("-p rule brsf").
+    with pytest.raises(ConfigError) as err:
         dataclasses.replace(ConvConfig(rule="fa"), rule="bp")
+    assert str(err.value) == (
+        "ConvConfig.rule_params: rule 'bp' has no parameter(s) 'feedback_scale', "
+        "'feedback_seed'; it takes no parameters. The parameters given are every parameter "
+        "of rule brsf / fa / frsf / kp / ... (a config made for such a rule, its defaults "
+        "filled in): changing a config's rule with dataclasses.replace? pass rule_params for "
+        "the new rule too, e.g. replace(config, rule=..., rule_params={})")
+    with pytest.raises(ConfigError, match=r"pert_sigma, pert_directions. The parameters given "
+                                          r"are every parameter of rule brsf / fa"):
+        dataclasses.replace(ConvConfig(rule="kp"), rule="nodepert")
+    # a parameter given for the wrong rule still gets the -p hint
+    with pytest.raises(ConfigError, match=r"'feedback_scale': parameter\(s\) of rule brsf / "
+                                          r"dfa / fa / frsf / \.\.\. \(to train with it: -p rule "
+                                          r"brsf"):
+        ConvConfig(rule="bp", rule_params={"feedback_scale": 2.0})
     assert dataclasses.replace(ConvConfig(rule="fa"), rule="bp", rule_params={}).rule == "bp"
 
 

@@ -91,12 +91,23 @@ def rule_params(name: str, params=None):
         owners = sorted(r for r, c in RULES.items()
                         if set(unknown) <= set(field_names(c.Params)))
         shown = " / ".join(owners[:4]) + (" / ..." if len(owners) > 4 else "")
+        replace = ("changing a config's rule with dataclasses.replace? pass rule_params for "
+                   "the new rule too, e.g. replace(config, rule=..., rule_params={})")
+        # Every parameter of another rule, none of this one's: a config made for that rule
+        # (its defaults filled in) given this rule by dataclasses.replace, not a slip of -p.
+        filled = sorted(r for r, c in RULES.items() if r != name
+                        and set(params) == set(field_names(c.Params)))
+        if filled:
+            some = " / ".join(filled[:4]) + (" / ..." if len(filled) > 4 else "")
+            raise ConfigError(
+                f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes}. "
+                f"The parameters given are every parameter of rule {some} (a config made for "
+                f"such a rule, its defaults filled in): {replace}")
         whose = (f"; {', '.join(map(repr, unknown))}: parameter(s) of rule {shown} (to train "
                  f"with it: -p rule {owners[0]}, or rule={owners[0]!r})" if owners else "")
         raise ConfigError(
             f"rule {name!r} has no parameter(s) {', '.join(map(repr, unknown))}; {takes}"
-            f"{whose} (changing a config's rule with dataclasses.replace? pass rule_params for "
-            "the new rule too, e.g. replace(config, rule=..., rule_params={}))")
+            f"{whose} ({replace})")
     try:
         made = from_dict(cls.Params, dict(params or {}))
         validate(made)  # again if its __post_init__ did: a custom Params may not
