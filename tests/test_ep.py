@@ -461,6 +461,20 @@ def test_cosines_leave_out_tensors_without_a_direction_on_either_side():
         gradient_cosines(model, a, b[:-1])
 
 
+def test_both_embedding_norms_are_read_at_the_steps_start():
+    # EP's norm was read after its update and the twin's before its own: one update apart
+    # (the twin at step s matched EP at step s - 1).
+    run = build_ep(_tiny(cosine_every=1))
+    twin_start = spectral_norm(run.twin.tok.weight)
+    assert spectral_norm(run.model.tok.weight) == twin_start  # the twin starts as EP does
+    row = train_step(run, 0)
+    assert row["embed_spectral_norm"] == row["bp_embed_spectral_norm"] == twin_start
+    ep_after, twin_after = (spectral_norm(m.tok.weight) for m in (run.model, run.twin))
+    assert ep_after != twin_start and twin_after != twin_start  # both models moved
+    row = train_step(run, 1)
+    assert (row["embed_spectral_norm"], row["bp_embed_spectral_norm"]) == (ep_after, twin_after)
+
+
 def test_spectral_norm_of_small_and_zero_matrices():
     w = 1e-4 * torch.randn(30, 7, generator=torch.Generator().manual_seed(1))  # sigma << 1
     assert spectral_norm(w) == pytest.approx(float(torch.linalg.matrix_norm(w, ord=2)),

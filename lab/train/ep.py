@@ -517,6 +517,8 @@ def train_step(run: EPRun, step: int) -> dict:
     ep = ep_gradient(run.model, x, y, beta, K)
     skipped = gov.update(ep.drift)
     grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ep.grads))
+    if measure:  # before the update, as the twin's below: both models at this step's start
+        row["embed_spectral_norm"] = spectral_norm(run.model.tok.weight)
     if not skipped:
         _apply(params, ep.grads, run.optimizer, run.scheduler, cfg.grad_clip)
     for p in params:
@@ -534,7 +536,6 @@ def train_step(run: EPRun, step: int) -> dict:
         run.scratch.load_state_dict(run.twin.state_dict())
         at_twin = ep_gradient(run.scratch, x, y, beta, K)
         row["cos"] = gradient_cosines(run.twin, at_twin.grads, bp_grads)
-        row["embed_spectral_norm"] = spectral_norm(run.model.tok.weight)
         row["bp_embed_spectral_norm"] = spectral_norm(run.twin.tok.weight)
     bp_norm = _apply(twin_params, bp_grads, run.twin_optimizer, run.twin_scheduler,
                      cfg.grad_clip)
