@@ -112,6 +112,19 @@ def unrun_hint(missing, table: pd.DataFrame) -> str:
             "found: run the protocol's sweep first, `lab sweep <protocol>`)")
 
 
+# The analysis notebooks made for each trainer's runs (10-summary reads conv fields by
+# default, and `lab report` passes it no others).
+SUMMARIES = {"conv": "10-summary or 11-compare-rules", "ep": "20-ep-summary",
+             "cfc_aux": "30-cfc-summary"}
+
+
+def summary_for(kinds) -> str:
+    """Which analysis notebook summarises runs of ``kinds``, for a refusal's advice."""
+    known = [f"{SUMMARIES[k]} ({k} runs)" for k in kinds if k in SUMMARIES]
+    return ("summarise them with " + ", ".join(known) if known else
+            "summarise them with an analysis notebook made for their kind")
+
+
 def check_kind(data, kind: str, caller: str, needs: str) -> None:
     """Refuse a protocol whose runs another trainer made: a summary written for ``kind``
     runs would otherwise fail on the first field they lack (a bare KeyError) or call
@@ -122,5 +135,5 @@ def check_kind(data, kind: str, caller: str, needs: str) -> None:
         some = ", ".join(runs.loc[runs["kind"] == kinds[0], "run_id"].head(3))
         raise ValueError(
             f"{caller}: the protocol {data.protocol.name!r} holds {' and '.join(kinds)} runs "
-            f"(e.g. {some}), not {kind} runs: this summary reads {needs}; summarise them "
-            "with the analysis notebook made for their kind, or 10-summary")
+            f"(e.g. {some}), not {kind} runs: this summary reads {needs}; "
+            f"{summary_for(kinds)}")

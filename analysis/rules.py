@@ -17,7 +17,7 @@ import pandas as pd
 
 from lab import records
 
-from .checks import check_group_keys, config_twins, listing, unrun_hint
+from .checks import check_group_keys, config_twins, listing, summary_for, unrun_hint
 from .completeness import IncompleteProtocolError, find_problems
 from .figures import NotebookFigure as Figure
 from .figures import check_tables, style_axes
@@ -131,8 +131,7 @@ def check_conv_runs(data, caller: str = "check_rules_complete") -> None:
             f"{caller}: the protocol {data.protocol.name!r} holds {' and '.join(kinds)} runs "
             f"(e.g. {some}), not conv runs: the rule comparison (test accuracy, alignment "
             "with backprop, MAC bill per rule) needs runs of the conv trainer "
-            "(notebooks/01-train-conv.ipynb); summarise these with the analysis notebook "
-            "made for their kind, or 10-summary")
+            f"(notebooks/01-train-conv.ipynb); {summary_for(kinds)}")
 
 
 def _check_table(table: pd.DataFrame, caller: str, columns: list[str]) -> None:

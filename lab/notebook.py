@@ -284,6 +284,21 @@ def check_own_types(notebook, values: Mapping, declared: Mapping, defaults: Mapp
                                  f"{value!r} ({type(value).__name__})")
 
 
+# What `lab report` hands an analysis notebook: a notebook declaring both is one.
+REPORT_PARAMETERS = ("protocol", "runs_dir")
+
+
+def check_trains(spec: NotebookSpec) -> None:
+    """NotebookError if ``spec``'s notebook is an analysis notebook (it declares
+    ``REPORT_PARAMETERS`` and names no config class): executed as a run it would
+    summarise its default protocol's runs and be recorded as a run of its own."""
+    if spec.config_class is None and all(p in spec.declared for p in REPORT_PARAMETERS):
+        raise NotebookError(
+            f"{spec.path} is an analysis notebook (it takes {' and '.join(REPORT_PARAMETERS)} "
+            "and trains nothing), not a run; execute it for a protocol with `lab report "
+            f"<protocol.yaml> --notebook {spec.path}`")
+
+
 def trainer_kind(cls: type | None) -> str | None:
     """The record kind the trainer of config class ``cls`` writes (its ``KIND``:
     ``"conv"`` for ConvConfig); None when the class declares none."""
@@ -937,6 +952,8 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
     notebook = Path(notebook)
     out = Path(out_dir).expanduser().resolve()
     spec = notebook_spec(notebook) if spec is None else spec
+    if record:
+        check_trains(spec)
     resolved = resolve_parameters(notebook, params, spec)
     injected = dict(resolved.params)
     if "out_dir" in spec.declared:

@@ -335,7 +335,13 @@ def _check_places(protocol: Protocol, data: dict) -> None:
 def _check_notebook(protocol: Protocol, configs: bool = True):
     """The notebook's NotebookSpec (without its config class unless ``configs``),
     once its file and parameter names are checked."""
-    from .notebook import NotebookError, ParameterError, check_parameters, notebook_spec
+    from .notebook import (
+        NotebookError,
+        ParameterError,
+        check_parameters,
+        check_trains,
+        notebook_spec,
+    )
 
     notebook = Path(protocol.notebook)
     if notebook.is_dir():
@@ -348,6 +354,8 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
                             f"notebooks in {notebook.parent}: {', '.join(near) or 'none'}")
     try:
         spec = notebook_spec(notebook, with_class=configs)
+        if configs:  # (without the class it cannot tell a run from an analysis)
+            check_trains(spec)
         overridden = {k: v for table in protocol.overrides.values() for params in
                       table.values() for k, v in params.items()}
         check_parameters(notebook, {**protocol.fixed, **overridden, **protocol.grid},

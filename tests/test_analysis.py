@@ -1100,8 +1100,14 @@ def test_a_summary_for_one_kind_names_another_trainers_runs():
     conv = load_protocol_runs(fixtures / "summary" / "protocol.yaml")
     with pytest.raises(ValueError, match=re.escape(
             f"20-ep-summary: the protocol {conv.protocol.name!r} holds conv runs (e.g. ")
-            + r".*\), not ep runs: this summary reads EP against its twin; summarise them"):
+            + r".*\), not ep runs: this summary reads EP against its twin; summarise them "
+            r"with 10-summary or 11-compare-rules \(conv runs\)$"):
         check_kind(conv, "ep", "20-ep-summary", "EP against its twin")
+    # 10-summary was offered for every kind; it reads conv fields, so not for CfC runs
+    cfc = load_protocol_runs(fixtures / "cfc-aux" / "protocol.yaml")
+    with pytest.raises(ValueError, match=r"not ep runs: .*; summarise them with "
+                                         r"30-cfc-summary \(cfc_aux runs\)$"):
+        check_kind(cfc, "ep", "20-ep-summary", "EP against its twin")
     check_kind(load_protocol_runs(fixtures / "ep" / "protocol.yaml"), "ep", "x", "y")
     check_kind(conv, "conv", "x", "y")
 

@@ -594,7 +594,9 @@ def test_another_trainers_runs_are_named_as_such_not_as_incomplete(fixture, kind
         with pytest.raises(ValueError, match=(
                 rf"^{check.__name__}: the protocol '{fixture}-fixture' holds {kind} runs "
                 rf"\(e.g. {first}, .*\), not conv runs: the rule comparison .* needs runs of "
-                r"the conv trainer \(notebooks/01-train-conv.ipynb\)")) as err:
+                r"the conv trainer \(notebooks/01-train-conv.ipynb\); summarise them with "
+                rf"{dict(cfc_aux='30-cfc-summary', ep='20-ep-summary')[kind]} \({kind} "
+                r"runs\)$")) as err:
             check(data)
         assert not isinstance(err.value, IncompleteProtocolError)
     compare.check_rules_complete(_rules_data())  # conv runs pass (the fixture is complete)

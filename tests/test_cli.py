@@ -1227,3 +1227,22 @@ def test_runs_table_names_a_target_that_is_not_a_path(target):
     with pytest.raises(TypeError, match=rf"^runs_table: target must be a path \(a directory of "
                                         rf"runs, .*got {re.escape(repr(target))} "):
         runs_table(target)
+
+
+def test_an_analysis_notebook_is_not_a_run(tmp_path, capsys):
+    # `lab run 10-summary.ipynb` called a conv run directory "already complete", or started a
+    # kernel that summarised the notebook's default protocol and left a failed "run".
+    summary = ROOT / "notebooks" / "10-summary.ipynb"
+    out = tmp_path / "z"
+    assert cli_main(["run", str(summary), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {summary} is an analysis notebook (it takes protocol and "
+                          "runs_dir and trains nothing), not a run; execute it for a protocol "
+                          f"with `lab report <protocol.yaml> --notebook {summary}`")
+    assert not out.exists()
+    protocol = tmp_path / "p.yaml"
+    protocol.write_text(f"name: p\nnotebook: {summary}\nout: {tmp_path / 'runs'}\n"
+                        "grid:\n  runs_dir: [a, b]\n")
+    assert cli_main(["sweep", str(protocol), "-q"]) == 2
+    assert "is an analysis notebook" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
