@@ -507,7 +507,7 @@ def _check_report_owner(out: Path, base: str, name: str, source: str) -> None:
 
 def _report(args) -> int:
     from .notebook import NotebookError, execute, render_html
-    from .sweep import load_protocol, stale_runs
+    from .sweep import expand, load_protocol, stale_runs
 
     try:
         protocol = load_protocol(args.protocol, configs=False)  # reads runs, makes none
@@ -528,6 +528,18 @@ def _report(args) -> int:
         # The protocol's own runs are checked however they are named; another runs
         # directory (a copy, a fixture made elsewhere) is the caller's to vouch for.
         if not args.runs or Path(args.runs).resolve() == Path(protocol.out).resolve():
+            # Runs a sweep still trains: the notebook would run to the end and fail on
+            # them (status running, rows missing); said at once instead.
+            live = {spec.run_id: runlock.holder(Path(protocol.out) / spec.run_id)
+                    for spec in expand(protocol)}
+            live = {run_id: pid for run_id, pid in live.items() if pid is not None}
+            if live:
+                raise NotebookError(
+                    f"{len(live)} run(s) of {protocol.source} are still training, so no report "
+                    "was made (let the sweep finish, then report again):\n"
+                    + "\n".join(f"  - {run_id}: held by pid {pid or 'unknown'}"
+                                for run_id, pid in list(live.items())[:8])
+                    + (f"\n  and {len(live) - 8} more" if len(live) > 8 else ""))
             stale = stale_runs(protocol)
             if stale:
                 raise NotebookError(

@@ -786,6 +786,30 @@ def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, 
     assert not (tmp_path / "rep").exists()
 
 
+def test_report_while_a_run_trains_is_refused_at_once(tmp_path, capsys):
+    # It ran the whole analysis notebook (50 s under load), then failed on the running run.
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "p", "notebook": str(root / "notebooks" / "01-train-conv.ipynb"),
+        "out": "runs", "report": str(root / "notebooks" / "10-summary.ipynb"),
+        "grid": {"seed": [0, 1]}}))
+    run = tmp_path / "runs" / "seed-1"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cli_main(["report", str(path), "--out", str(tmp_path / "rep")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: 1 run(s) of {path} are still training, so no report "
+                              "was made (let the sweep finish, then report again):\n"
+                              f"  - seed-1: held by pid {holder.pid}\n"), err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / "rep").exists()
+
+
 def test_lab_runs_refuses_a_protocol_the_sweep_refuses(tmp_path, capsys):
     # With no runs yet, a bad value made every run read "missing" (exit 0).
     notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
