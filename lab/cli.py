@@ -31,6 +31,7 @@ import re
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -400,8 +401,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         if len(values) and table[column].dtype.kind == "f" and (values % 1 == 0).all() \
                 and values.abs().max() < 2 ** 53 and not column.endswith(("acc", "loss")):
             table[column] = table[column].astype("Int64")
-    table["error"] = table["error"].map(lambda e: e.splitlines()[0][:60] if isinstance(e, str)
-                                        else "")
+    table["error"] = table["error"].map(lambda e: e if isinstance(e, str) else "")
     if "axis" in table.columns:
         table["axis"] = table["axis"].fillna("")
     bad = [(_relative(str(d), base), reason) for d, reason in unreadable]
@@ -421,7 +421,18 @@ def _runs(args) -> int:
         print(f"no runs under {args.target}")
         return 0
     if not table.empty:
-        print(table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        # The table shows each message's start; a cut one is printed whole below it (a
+        # stale run's reason names the values that differ, at its end).
+        full = table["error"]
+        shown = table.assign(error=full.map(lambda e: textwrap.shorten(
+            " ".join(e.split()), _ERROR_WIDTH, placeholder=" [...]")))
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        cut = [(run_id, text) for run_id, text, short in
+               zip(table["run_id"], full, shown["error"]) if short != " ".join(text.split())]
+        if cut:
+            print(f"\n{len(cut)} message(s) in full:")
+            for run_id, text in cut:
+                print(f"  {run_id}: " + "\n    ".join(text.splitlines()))
     # A run --force moved aside was replaced on purpose (often because it was broken):
     # shown, but it does not make the listing fail.
     old = [(w, r) for w, r in unreadable if MOVED_ASIDE.search(Path(w).name)]
@@ -436,6 +447,7 @@ def _runs(args) -> int:
 
 
 _HTML = "report.html"  # rendered inside the pending directory, moved out beside it
+_ERROR_WIDTH = 60  # characters of a run's message in `lab runs`' table
 
 
 @contextlib.contextmanager

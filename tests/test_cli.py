@@ -1190,6 +1190,24 @@ def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
     assert "missing" not in set(table["status"])
 
 
+def test_lab_runs_prints_a_cut_message_whole_below_the_table(tmp_path, capsys):
+    # The table cut each message at 60 characters, mid-word, before the values that differ.
+    protocol = _summary_protocol(tmp_path)
+    runs = Path(protocol).parent / "runs"
+    a, b = runs / "lr-0.05_rule-bp_seed-0", runs / "lr-0.05_rule-bp_seed-1"
+    a.rename(runs / "tmp")
+    b.rename(a)
+    (runs / "tmp").rename(b)
+    why = runs_table(protocol)[0].set_index("dir")["error"]
+    assert cli_main(["runs", protocol]) == 0
+    out = capsys.readouterr().out
+    table, _, below = out.partition("\n2 message(s) in full:\n")
+    assert " [...]" in table and "seed: 0 there vs 1 now" not in table
+    assert below.splitlines() == [f"  lr-0.05_rule-bp_seed-0: {why[b.name]}",
+                                  f"  lr-0.05_rule-bp_seed-1: {why[a.name]}"]
+    assert "(seed: 0 there vs 1 now" in below
+
+
 def test_run_given_a_directory_as_notebook_says_it_is_one(tmp_path, capsys, no_kernel):
     assert cli_main(["run", str(ROOT / "notebooks"), "--out", str(tmp_path / "x")]) == 2
     err = _one_paragraph(capsys.readouterr().err)
@@ -1237,7 +1255,8 @@ def test_lab_runs_names_another_trainers_run_in_a_protocols_out(tmp_path, capsys
     cli_main(["runs", protocol])
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.lstrip().startswith(victim.name))
-    assert "stale" in line and "(it holds an ep run" in line and "there vs" not in line, out
+    whole = next(row for row in out.splitlines() if row.startswith(f"  {victim.name}: "))
+    assert "stale" in line and "(it holds an ep run," in whole and "there vs" not in out, out
     from lab.sweep import load_protocol, stale_runs
 
     assert stale_runs(load_protocol(protocol))[victim.name] == (
