@@ -33,6 +33,7 @@ import signal
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -674,6 +675,11 @@ def _params_args(parser) -> None:
                         help="replace a run already in --out (moved aside, never deleted)")
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"warning{kind}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -718,6 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         return _error(exc)
     args = parser.parse_args(argv)
     _unshield(args)
+    # A warning for the researcher (a split that cannot be honoured, a schedule shortened)
+    # as one line, not Python's "file:line: UserWarning:" plus the source line.
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
     # SIGTERM (a job scheduler's stop, `kill`) takes Ctrl-C's path: the run ends
     # interrupted with its message, a sweep shuts its cluster down; before, the process
     # died silently (and a sweep's Dask left semaphores behind). Exit 143 = 128 + 15.
@@ -743,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
+        warnings.formatwarning = formatwarning
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 128 + signal.SIGTERM if terminated and code == 130 else code

@@ -1289,3 +1289,23 @@ def test_an_analysis_notebook_is_not_a_run(tmp_path, capsys):
     assert cli_main(["sweep", str(protocol), "-q"]) == 2
     assert "is an analysis notebook" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_warning_is_one_line(tmp_path, monkeypatch):
+    # It printed "/.../cfc_aux.py:191: UserWarning: ..." and the source line under it.
+    import warnings
+
+    seen = []
+
+    def warns(args):  # the text Python prints for a warning while a command runs
+        seen.append(warnings.formatwarning("val_fraction=0.2 cannot be honoured",
+                                           UserWarning, "/x/cfc_aux.py", 191, "warn(...)"))
+        seen.append(warnings.formatwarning("old", DeprecationWarning, "/x/y.py", 3))
+        return 0
+
+    monkeypatch.setattr(lab.cli, "_runs", warns)
+    before = warnings.formatwarning
+    assert cli_main(["runs", str(tmp_path)]) == 0
+    assert seen == ["warning: val_fraction=0.2 cannot be honoured\n",
+                    "warning (DeprecationWarning): old\n"]
+    assert warnings.formatwarning is before  # the caller's format is back
