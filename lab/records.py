@@ -561,17 +561,22 @@ def truncate_rows(run_dir, axis: str, count: int) -> None:
             path.unlink(missing_ok=True)
 
 
+def _fail_part(path: Path, found: str, expected: str):
+    # A part is a file, not a field of the record: named by its own path.
+    raise RecordError(f"{path}: the row part holds {found}; expected {expected}", path=path,
+                      field=f"<part {path.name}>")
+
+
 def _read_part(path: Path, start: int, end: int, record_path) -> list:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
         rows = [decode_nonfinite(json.loads(line)) for line in lines]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
-              "a part written by lab.records.write_part (restore it, or replace the run: "
-              "--force)")
+        _fail_part(path, f"unreadable text ({err})", "a part written by "
+                   "lab.records.write_part (restore it, or replace the run: --force)")
     if len(rows) != end - start:
-        _fail(record_path, f"<part {path.name}>", f"{len(rows)} rows",
-              f"{end - start} rows, as its name says")
+        _fail_part(path, f"{len(rows)} rows", f"{end - start} rows, as its name says "
+                   "(restore it, or replace the run: --force)")
     return rows
 
 
@@ -613,15 +618,13 @@ def check_stored_rows(run_dir) -> None:
             try:
                 data = path.read_bytes()
             except OSError as err:
-                _fail(record_path, f"<part {path.name}>", f"unreadable ({err})",
-                      "a part written by lab.records.write_part (restore it, or replace "
-                      "the run: --force)")
+                _fail_part(path, f"unreadable text ({err})", "a part written by "
+                           "lab.records.write_part (restore it, or replace the run: --force)")
             lines = data.count(b"\n")
             if lines != end - start or not data.endswith(b"\n"):
-                _fail(record_path, f"<part {path.name}>",
-                      f"{lines} complete lines ({len(data)} bytes)",
-                      f"{end - start} rows, as its name says (truncated? restore it, or "
-                      "replace the run: --force)")
+                _fail_part(path, f"{lines} complete lines ({len(data)} bytes)",
+                           f"{end - start} rows, as its name says (truncated? restore it, "
+                           "or replace the run: --force)")
 
 
 # ---------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_unreadable_runs_are_listed_under_one_header(fixture_copy):
     assert message.startswith("2 run records could not be read (fix or remove them; none "
                               "were skipped):\n  - "), message
     assert message.count("could not be read") == 1 and message.count("\n  - ") == 2
-    assert "lr-0.05_rule-bp_seed-0/record.json: field '<part " in message
+    assert "lr-0.05_rule-bp_seed-0/rows/epoch/" in message and ": the row part holds " in message
     assert "lr-0.2_rule-bp_seed-1/record.json" in message
     assert [Path(p).parent.name for p, _ in err.value.problems] == [
         "lr-0.05_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1"]

@@ -179,7 +179,7 @@ def test_rerun_of_a_finished_run_missing_rows_is_refused_and_force_replaces_it(
     err = _one_paragraph(capsys.readouterr().err)
     assert "already holds a run whose record cannot be read" in err and "--force" in err
     assert ("no part holds rows from 1 (1 parts in" if damage == "deleted"
-            else f"<part {part.name}>") in err
+            else f"{part}: the row part holds ") in err
     assert _files(tmp_path / "T") == before
     assert cli_main(args + ["--force"]) == 0
     capsys.readouterr()
@@ -339,7 +339,7 @@ def test_runs_lists_a_complete_run_with_a_cut_row_store_as_unreadable(tmp_path, 
     assert [w for w, _ in unreadable] == ["cut"]
     (reason,) = [r for _, r in unreadable]
     lines = {"half a line": 2, "a whole line": 2, "emptied": 0}[cut]
-    assert f"<part {part.name}>" in reason and f"{lines} complete lines" in reason
+    assert f"{part}: the row part holds {lines} complete lines" in reason
     assert "3 rows, as its name says (truncated? restore it, or replace the run: --force)" in reason
     assert cli_main(["runs", str(tmp_path)]) == 1
     out = capsys.readouterr().out
@@ -348,7 +348,8 @@ def test_runs_lists_a_complete_run_with_a_cut_row_store_as_unreadable(tmp_path, 
     # the library's run table gives the same verdict (a filter on status == "complete"
     # must not count it), for the run alone and for the directory of runs
     for root in (tmp_path / "cut", tmp_path):
-        with pytest.raises(records.RecordError, match=rf"<part {part.name}>.*{lines} complete"):
+        with pytest.raises(records.RecordError, match=rf"{part.name}: the row part holds "
+                                                      rf"{lines} complete"):
             records.load_runs(root)
     assert records.load_runs(tmp_path / "good")["status"].tolist() == ["complete"]
 

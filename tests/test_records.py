@@ -303,17 +303,20 @@ PART_CORRUPTIONS = {
 def test_corrupt_row_part_names_record_and_row(tmp_path, base_record, name):
     axis, corrupt, field = PART_CORRUPTIONS[name]
     run_dir = tmp_path / "run"
-    path = records.save_run(run_dir, filled(base_record))
+    records.save_run(run_dir, filled(base_record))
     part = next((run_dir / "rows" / axis).iterdir())
     part.write_text("\n".join(corrupt(part.read_text().splitlines())) + "\n")
     # A bad row is named by its part (the file to look at) and its place on the axis; a
-    # part that lost rows, by the record that counts them and the part's name.
-    where = path if field.startswith("<part") else part
+    # part that lost rows, as a part (a file, not a field of the record).
     for load in (records.load_record, records.run_metrics):
         with pytest.raises(RecordError) as info:
             load(run_dir)
         message = str(info.value)
-        assert message.startswith(f"{where}: field '{field}' is ") and "allowed" in message
+        if field.startswith("<part"):
+            assert message.startswith(f"{part}: the row part holds ") and "expected" in message
+            assert info.value.field == field and "field" not in message
+        else:
+            assert message.startswith(f"{part}: field '{field}' is ") and "allowed" in message
         assert "trajectory" not in message
 
 
