@@ -769,14 +769,18 @@ def test_lab_runs_of_a_protocol_edited_to_a_bad_value_is_one_line(tmp_path, caps
     assert "ConvConfig.lr=-1 is out of range; allowed: (0.0, inf) (run seed-0)" in err
 
 
-def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, capsys):
-    # `--runs <the protocol's out>` skipped the stale check and reported old runs, exit 0.
-    root = Path(__file__).resolve().parents[1]
+def _reported_protocol(tmp_path: Path, seeds: list[int]) -> Path:
+    """A conv protocol over ``seeds`` with 10-summary as its report, runs in tmp_path/runs."""
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "p", "notebook": str(root / "notebooks" / "01-train-conv.ipynb"),
-        "out": "runs", "report": str(root / "notebooks" / "10-summary.ipynb"),
-        "grid": {"seed": [0]}}))
+        "name": "p", "notebook": str(TRAIN), "out": "runs",
+        "report": str(ROOT / "notebooks" / "10-summary.ipynb"), "grid": {"seed": seeds}}))
+    return path
+
+
+def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, capsys):
+    # `--runs <the protocol's out>` skipped the stale check and reported old runs, exit 0.
+    path = _reported_protocol(tmp_path, [0])
     record = records.new_record(run_id="seed-0", kind="conv", config={"seed": 0})
     record["status"] = "complete"
     records.save_run(tmp_path / "runs" / "seed-0", record)
@@ -789,12 +793,7 @@ def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, 
 
 def test_report_while_a_run_trains_is_refused_at_once(tmp_path, capsys):
     # It ran the whole analysis notebook (50 s under load), then failed on the running run.
-    root = Path(__file__).resolve().parents[1]
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "p", "notebook": str(root / "notebooks" / "01-train-conv.ipynb"),
-        "out": "runs", "report": str(root / "notebooks" / "10-summary.ipynb"),
-        "grid": {"seed": [0, 1]}}))
+    path = _reported_protocol(tmp_path, [0, 1])
     run = tmp_path / "runs" / "seed-1"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE,
                               text=True)
