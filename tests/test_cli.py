@@ -1169,13 +1169,19 @@ def test_an_out_nested_in_a_run_or_holding_runs_is_refused(tmp_path, capsys, no_
     assert list(records.load_runs(tmp_path)["run_id"]) == ["a", "t1"]
 
 
-def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
+def _swapped_runs(tmp_path: Path) -> tuple[str, Path, Path]:
+    """The summary protocol with the directories of its two lr-0.05 runs swapped."""
     protocol = _summary_protocol(tmp_path)
     runs = Path(protocol).parent / "runs"
     a, b = runs / "lr-0.05_rule-bp_seed-0", runs / "lr-0.05_rule-bp_seed-1"
     a.rename(runs / "tmp")
     b.rename(a)
     (runs / "tmp").rename(b)
+    return protocol, a, b
+
+
+def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
+    protocol, a, b = _swapped_runs(tmp_path)
     table, unreadable = runs_table(protocol)
     assert not unreadable
     rows = {d: (rid, status, error) for d, rid, status, error in
@@ -1192,12 +1198,7 @@ def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
 
 def test_lab_runs_prints_a_cut_message_whole_below_the_table(tmp_path, capsys):
     # The table cut each message at 60 characters, mid-word, before the values that differ.
-    protocol = _summary_protocol(tmp_path)
-    runs = Path(protocol).parent / "runs"
-    a, b = runs / "lr-0.05_rule-bp_seed-0", runs / "lr-0.05_rule-bp_seed-1"
-    a.rename(runs / "tmp")
-    b.rename(a)
-    (runs / "tmp").rename(b)
+    protocol, a, b = _swapped_runs(tmp_path)
     why = runs_table(protocol)[0].set_index("dir")["error"]
     assert cli_main(["runs", protocol]) == 0
     out = capsys.readouterr().out
