@@ -117,7 +117,9 @@ def _table(data) -> pd.DataFrame:
     # Every table and figure here is per condition, averaged over seeds: another grid key
     # (a weight decay, a traffic ratio) would be averaged in silently, and its points
     # counted as seeds. One setting per protocol, or analysis.summarize over all keys.
-    others = [key for key in data.group_keys if key != CONDITION]
+    # (a key given one value varies nothing: it selects one setting, and is fine)
+    others = [key for key in data.group_keys if key != CONDITION
+              and key in table and table[key].astype(str).nunique(dropna=False) > 1]
     if others:
         raise ValueError(
             f"MT-1 compares the traffic rules at one setting, over seeds; this protocol's "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from analysis import load_protocol_runs, mt1
@@ -116,6 +117,16 @@ def test_a_grid_with_another_key_is_refused_not_averaged_in(data):
                  lambda: mt1.rms_panels(data), lambda: mt1.alignment_bars(data)):
         with pytest.raises(ValueError, match=said):
             call()
+
+
+def test_a_grid_key_with_one_value_selects_a_setting_and_is_allowed(data):
+    # traffic_ratio: [4.0] in the grid (one slice of existing runs) was refused as "varies".
+    plain = mt1.final_table(data)
+    data.specs = [type(s)(s.run_id, s.params, {**s.grid, "rule_params.traffic_ratio": 4.0})
+                  for s in data.specs]
+    assert "rule_params.traffic_ratio" in data.group_keys
+    pd.testing.assert_frame_equal(mt1.final_table(data), plain)
+    mt1.check_mt1_complete(data)
 
 
 def _set_final(data, run_ids, metric_prefix, value):

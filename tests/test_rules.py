@@ -853,11 +853,27 @@ def test_register_refuses_what_is_not_a_rule():
         (rule("fa"), ValueError, r"^rule name 'fa' is already registered, by "
          r"lab.rules.feedback.FeedbackAlignment$"),
         (rule("fresh_test_rule", gradients=False), TypeError, r"^rule 'fresh_test_rule': "
-         r"Custom does not define compute_gradients \(x, y, step, record=False\)"),
+         r"Custom does not define compute_gradients\(self, x, y, step, record=False\)"),
         (rule("fresh_test_rule", dict), TypeError, r"^rule 'fresh_test_rule': Custom.Params="
          r"<class 'dict'> is not a frozen dataclass; declare"),
         (rule("fresh_test_rule", dataclasses.dataclass(Loose)), TypeError,
          r"Params=.*Loose'> is not a frozen dataclass"),
+    ]
+    # compute_gradients(self, x, y) failed only at the first step, and a Params field with
+    # no default only when a config was made (a bare TypeError from its __init__)
+    two_args = type("Custom", (Rule,), {"name": "fresh_test_rule",
+                                        "compute_gradients": lambda self, x, y: None})
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare:
+        s: float
+
+    cases += [
+        (two_args, TypeError, r"^rule 'fresh_test_rule': Custom.compute_gradients\(self, x, y\) "
+         r"cannot take the trainers' call \(too many positional arguments\); define "
+         r"compute_gradients\(self, x, y, step, record=False\)"),
+        (rule("fresh_test_rule", Bare), TypeError, r"^rule 'fresh_test_rule': Custom.Params "
+         r"field\(s\) s have no default; give each parameter one"),
     ]
     for cls, error, message in cases:
         with pytest.raises(error, match=message):
@@ -871,6 +887,15 @@ def test_register_refuses_what_is_not_a_rule():
     fresh = rule("fresh_test_rule", Params)
     try:
         assert register(fresh) is fresh and RULES["fresh_test_rule"] is fresh
+        # The same class made again (a notebook cell run twice) replaces itself; another
+        # class under the name is still refused.
+        again = rule("fresh_test_rule", Params)
+        assert register(again) is again and RULES["fresh_test_rule"] is again
+        other = type("Other", (Rule,), {"name": "fresh_test_rule",
+                                        "compute_gradients": again.compute_gradients})
+        with pytest.raises(ValueError, match=r"^rule name 'fresh_test_rule' is already "
+                                             r"registered, by .*Custom$"):
+            register(other)
         # A tuple parameter read back from a record (JSON holds it as a list) is the tuple.
         from lab.rules.registry import rule_params
 

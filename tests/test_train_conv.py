@@ -685,3 +685,25 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(
     assert "more than this machine's" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     ConvConfig(depth=110, width=64, epochs=1).preflight()  # large, but it fits
+
+
+def test_a_rule_returning_no_step_result_is_named(tiny, tmp_path):
+    # A custom rule returning None failed on "'NoneType' object has no attribute 'loss'".
+    from lab.rules.bp import Backprop
+    from lab.rules.registry import register
+
+    @register
+    class ReturnsNothing(Backprop):
+        name = "returns_nothing_test"
+
+        def compute_gradients(self, x, y, step, record=False):
+            super().compute_gradients(x, y, step, record)
+
+    try:
+        with pytest.raises(TypeError, match=r"^rule 'returns_nothing_test': ReturnsNothing."
+                                            r"compute_gradients returned NoneType; it must "
+                                            r"write .grad and return a StepResult"):
+            train_conv(ConvConfig(**{**tiny, "epochs": 1, "rule": "returns_nothing_test"}),
+                       tmp_path / "r")
+    finally:
+        RULES.pop("returns_nothing_test", None)

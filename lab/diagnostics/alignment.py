@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..models.layers import local_layers
 from ..models.state import preserved_norm_stats
+from ..rules.base import check_step_result
 from ..rules.common import Recorder
 
 
@@ -114,7 +115,7 @@ def alignment(model, rule, x, y, population_names=None) -> dict:
     with _untouched(model, rule):
         model.train()
         _zero(_all_params(model, rule))
-        out = rule.compute_gradients(x, y, None, record=True)
+        out = check_step_result(rule, rule.compute_gradients(x, y, None, record=True))
         rule_grads = _weight_grads(layers)
         true_teaching, true_grads = backprop_reference(model, x, y)
     names = names or [f"population{i}" for i in range(len(true_teaching))]

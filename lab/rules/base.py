@@ -58,6 +58,16 @@ class StepResult:
     teaching: list[torch.Tensor] | None = None
 
 
+def check_step_result(rule, out) -> StepResult:
+    """``out`` if it is what ``compute_gradients`` must return, else a TypeError naming the
+    rule: a custom rule returning None failed later on "'NoneType' has no attribute 'loss'"."""
+    if not isinstance(out, StepResult):
+        raise TypeError(f"rule {rule.name!r}: {type(rule).__name__}.compute_gradients returned "
+                        f"{type(out).__name__}; it must write .grad and return a "
+                        "StepResult(loss, logits) (see lab/rules/base.py)")
+    return out
+
+
 class Rule:
     """Base class; subclasses set ``name``, ``Params`` and ``compute_gradients``."""
 

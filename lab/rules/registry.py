@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Mapping
 
@@ -43,19 +44,36 @@ def register(cls):
         raise ValueError(f"rule class {cls.__name__}: name={name!r} is not allowed; give "
                          "lower-case letters, digits and _, starting with a letter (it goes "
                          "into configs, run ids and records)")
-    if name in RULES:
+    old = RULES.get(name)
+    # The same class defined again (a notebook cell run twice, a module reloaded) replaces
+    # itself; another class under a taken name is refused.
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__,
+                                                                  cls.__qualname__):
         raise ValueError(f"rule name {name!r} is already registered, by "
-                         f"{RULES[name].__module__}.{RULES[name].__qualname__}")
+                         f"{old.__module__}.{old.__qualname__}")
+    contract = ("compute_gradients(self, x, y, step, record=False), which writes .grad for "
+                "one batch and returns a StepResult; see lab/rules/base.py")
     if cls.compute_gradients is Rule.compute_gradients:
-        raise TypeError(f"rule {name!r}: {cls.__name__} does not define compute_gradients "
-                        "(x, y, step, record=False), which writes .grad for one batch and "
-                        "returns a StepResult; see lab/rules/base.py")
+        raise TypeError(f"rule {name!r}: {cls.__name__} does not define {contract}")
+    try:  # called as compute_gradients(x, y, step, record=...) by every trainer
+        inspect.signature(cls.compute_gradients).bind(None, "x", "y", 0, record=False)
+    except TypeError as err:
+        raise TypeError(f"rule {name!r}: {cls.__name__}.compute_gradients"
+                        f"{inspect.signature(cls.compute_gradients)} cannot take the "
+                        f"trainers' call ({err}); define {contract}") from None
     params = cls.Params
     if not (isinstance(params, type) and dataclasses.is_dataclass(params)
             and params.__dataclass_params__.frozen):
         raise TypeError(f"rule {name!r}: {cls.__name__}.Params={params!r} is not a frozen "
                         "dataclass; declare the rule's parameters as @dataclass(frozen=True) "
                         "(or leave Params out for a rule without any)")
+    bare = [f.name for f in dataclasses.fields(params)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if bare:  # a config names only what it changes: every parameter needs a default
+        raise TypeError(f"rule {name!r}: {cls.__name__}.Params field(s) {', '.join(bare)} "
+                        "have no default; give each parameter one (e.g. scale: float = "
+                        "bounded(1.0, 0.0, lo_open=True)), as a config sets only what it "
+                        "changes")
     RULES[name] = cls
     return cls
 

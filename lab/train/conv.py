@@ -49,7 +49,7 @@ from ..diagnostics.work import bill
 from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
-from ..rules.base import check_example_needs
+from ..rules.base import check_example_needs, check_step_result
 from ..rules.registry import check_params_in_dtype
 from ..rules.registry import rule_params as params_of
 
@@ -312,7 +312,8 @@ def _train_epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
     for i, (x, y) in enumerate(batches):
         x = augment(x, kind, run.generator)
         run.optimizer.zero_grad(set_to_none=True)
-        out = run.rule.compute_gradients(x, y, epoch * run.steps_per_epoch + i)
+        out = check_step_result(run.rule, run.rule.compute_gradients(
+            x, y, epoch * run.steps_per_epoch + i))
         if epoch == 0 and i == 0:
             life.baseline(float(out.loss))  # before any update: the divergence scale
         if cfg.grad_clip:
