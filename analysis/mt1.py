@@ -203,12 +203,21 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
     log = flag(log, "lines", "log")
     fig = Figure(figsize=(5.5, 3.4), layout="constrained")
     ax = fig.subplots()
-    for condition in frame.columns:
+    # A condition with no finite value (a ratio over zero traffic at traffic_ratio 0) draws
+    # nothing: named on the panel, not left as an empty axis.
+    finite = frame.apply(pd.to_numeric).apply(lambda c: c.map(math.isfinite).any())
+    for condition in frame.columns[finite.to_numpy()]:
         ax.plot(frame.index, frame[condition], label=condition)
+    undefined = [str(c) for c in frame.columns[~finite.to_numpy()]]
+    if undefined:
+        ax.text(0.5, 0.5, f"undefined (no finite value) for: {', '.join(undefined)}",
+                transform=ax.transAxes, ha="center", va="center", fontsize="small",
+                wrap=True)
     style_axes(ax, "epoch", ylabel)
-    if log:
+    if log and len(undefined) < len(frame.columns):
         ax.set_yscale("log")
-    ax.legend(fontsize="small", title="traffic_rule")
+    if ax.lines:
+        ax.legend(fontsize="small", title="traffic_rule")
     return fig
 
 

@@ -40,6 +40,22 @@ def test_the_fixture_is_complete_and_summarised(data):
         assert figure._repr_png_().startswith(b"\x89PNG")
 
 
+def test_lines_name_conditions_with_no_finite_value(data):
+    # At traffic_ratio 0 every RMS(innovation) / RMS(traffic) is inf: the panel drew only
+    # a legend and an empty axis.
+    ratio = mt1.ratio_frame(data, "innovation", "traffic")
+    ratio["raw"] = math.inf
+    fig = mt1.lines(ratio, "RMS(innovation) / RMS(traffic)", log=True)
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines] == [c for c in ratio.columns if c != "raw"]
+    assert [t.get_text() for t in ax.texts] == ["undefined (no finite value) for: raw"]
+    ratio[:] = math.inf
+    ax = mt1.lines(ratio, "r", log=True).axes[0]
+    assert not ax.lines and ax.get_legend() is None and ax.get_yscale() == "linear"
+    assert ax.texts[0].get_text().endswith(", ".join(map(str, ratio.columns)))
+    assert mt1.lines(ratio, "r")._repr_png_().startswith(b"\x89PNG")
+
+
 def _problems(data):
     with pytest.raises(IncompleteProtocolError) as info:
         mt1.check_mt1_complete(data)
