@@ -1310,3 +1310,17 @@ def test_a_warning_is_one_line(tmp_path, monkeypatch):
     assert seen == ["warning: val_fraction=0.2 cannot be honoured\n",
                     "warning (DeprecationWarning): old\n"]
     assert warnings.formatwarning is before  # the caller's format is back
+
+
+def test_report_with_a_training_or_missing_notebook_makes_nothing(tmp_path, capsys):
+    # Found only after the reports directory had been made and locked (a lock file left).
+    path = _reported_protocol(tmp_path, [0])
+    out = tmp_path / "rep"
+    assert cli_main(["report", str(path), "--notebook", str(TRAIN), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {TRAIN} is not an analysis notebook: it does not declare the 'protocol' "
+        "parameter `lab report` sets (it declares ")
+    assert cli_main(["report", str(path), "--notebook", str(tmp_path / "nope.ipynb"),
+                     "--out", str(out)]) == 2
+    assert "nope.ipynb does not exist" in capsys.readouterr().err
+    assert not out.exists()
