@@ -208,6 +208,13 @@ def run_path(out_dir) -> Path:
     return Path(out_dir).expanduser().resolve()
 
 
+# What a resume compares between sessions (environment() keys): any difference can change
+# the last digits of what follows. The earlier sessions' environments go under EARLIER.
+SESSION_KEYS = ("threads", "git_commit", "dirty", "packages", "python", "hostname", "device",
+                "cuda", "gpu")
+EARLIER = "earlier_sessions"
+
+
 @dataclass
 class Lifecycle:
     """One run's life on disk (or in memory with ``out_dir=None``); see the module docstring."""
@@ -303,6 +310,8 @@ class Lifecycle:
             self.rows_logged = records.read_rows(self.out, self.axis, done)
             for row in self.rows_logged:  # the companions' first values, as first logged
                 self.divergence.check_companions(row, self._companions, "")
+            if old is not None and done:
+                self._keep_earlier_environment(old.get("environment"), done)
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json", old["status"])
@@ -335,6 +344,31 @@ class Lifecycle:
             return done
         records.write_record(self.out, self.record)
         return done
+
+    def _keep_earlier_environment(self, before, done: int) -> None:
+        """A resume in another environment (thread count, code, packages, machine) than
+        the run's rows so far: warn, and keep the earlier one in the record's
+        ``environment.earlier_sessions``. Before, the record described only the last session,
+        and a run half trained on 2 threads and half on 1 read as a clean 1-thread run."""
+        if not isinstance(before, dict):
+            return
+        now = self.record["environment"]
+        earlier = list(before.get(EARLIER, []))
+        first = {k: v for k, v in before.items() if k != EARLIER}
+        differs = [k for k in SESSION_KEYS if first.get(k) != now.get(k)]
+        if differs:
+            earlier.append(first)
+            shown = "; ".join(f"{k}: {first.get(k)!r} there vs {now.get(k)!r} now"
+                              if k != "packages" else "package versions" for k in differs)
+            warnings.warn(
+                f"{self.out}: resumed after {done} {self.axis}(s) in another environment "
+                f"({shown}): "
+                f"from here on the rows may differ in their last digits from an uninterrupted "
+                f"run's (runs are bit for bit only on one thread count, code and machine); the "
+                f"record keeps the earlier environment in environment.{EARLIER}",
+                stacklevel=4)
+        if earlier:
+            now[EARLIER] = earlier
 
     def _keep_run_id(self, saved: str) -> None:
         # A run's id is fixed when it starts: a rerun or resume keeps it whatever run_id it

@@ -707,3 +707,35 @@ def test_a_rule_returning_no_step_result_is_named(tiny, tmp_path):
                        tmp_path / "r")
     finally:
         RULES.pop("returns_nothing_test", None)
+
+
+def test_a_resume_in_another_environment_is_said_and_kept(tiny, tmp_path, monkeypatch):
+    # Half a run on 2 threads, resumed on 1: the record said 1 for the whole run, silently.
+    config = ConvConfig(**{**tiny, "epochs": 3})
+    _interrupt_at(1, monkeypatch, config, tmp_path / "r")
+    first = records.load_record(tmp_path / "r", rows=False)["environment"]
+    real = records.environment
+
+    def other_threads(device=None):
+        return {**real(device), "threads": first["threads"] + 1}
+
+    monkeypatch.setattr(records, "environment", other_threads)
+    with pytest.warns(UserWarning, match=rf"resumed after 1 epoch\(s\) in another environment "
+                                         rf"\(threads: {first['threads']} there vs "
+                                         rf"{first['threads'] + 1} now\): from here on the rows "
+                                         r"may differ .* environment.earlier_sessions"):
+        done = train_conv(config, tmp_path / "r")
+    env = records.load_record(tmp_path / "r", rows=False)["environment"]
+    assert done["status"] == "complete" and env["threads"] == first["threads"] + 1
+    assert env["earlier_sessions"] == [first]
+    # a resume in the same environment as before says nothing and keeps what is known
+    monkeypatch.setattr(records, "environment", real)
+    config2 = ConvConfig(**{**tiny, "epochs": 3})
+    _interrupt_at(2, monkeypatch, config2, tmp_path / "s")
+    import warnings as _w
+
+    with _w.catch_warnings():
+        _w.simplefilter("error", UserWarning)
+        _w.filterwarnings("ignore", message=".*warmup_fraction.*")
+        train_conv(config2, tmp_path / "s")
+    assert "earlier_sessions" not in records.load_record(tmp_path / "s", rows=False)["environment"]
