@@ -599,6 +599,22 @@ def read_rows(run_dir, axis: str, count: int) -> list[dict]:
     return rows
 
 
+def _check_complete_counts(record: dict, record_path) -> None:
+    """A run that says ``complete`` holds every row its ``expect`` declares. An edited record
+    (status set to complete on a run killed half way, a row count lowered) read as complete
+    everywhere but the report, and a sweep skipped it. (A final field missing is left to
+    ``check_complete``, which lists it among a protocol's gaps.)"""
+    expect = record.get("expect")
+    if record["status"] != "complete" or not isinstance(expect, dict):
+        return
+    axis, count = expect.get("axis"), expect.get("count")
+    have = record["rows"].get(axis, 0)
+    if isinstance(count, int) and have != count:
+        _fail(record_path, f"rows.{axis}", f"{have} for a complete run",
+              f"{count}, the rows its expect declares (edited? restore it, or replace the "
+              "run: --force)")
+
+
 def check_stored_rows(run_dir) -> None:
     """Every counted row of each axis is in the run's row store, by line count only.
 
@@ -613,6 +629,7 @@ def check_stored_rows(run_dir) -> None:
     record = _read_record(record_path)
     if record["schema_version"] == 1:  # rows inside the record: read with it
         return
+    _check_complete_counts(record, record_path)
     for axis, count in record["rows"].items():
         for start, end, path in _chain(run_dir, axis, count, record_path):
             try:

@@ -660,3 +660,26 @@ def test_runs_sharing_a_run_id_in_different_folders_stay_apart(base_record, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert list(records.load_runs(tmp_path / "protoA")["run_id"]) == ["seed-0"]
+
+
+def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, tiny):
+    # status set to complete on a run killed half way (or a row count lowered) read as
+    # complete in `lab runs`, load_runs and resume, and a sweep skipped it.
+    from lab import runlock
+    from lab.train import ConvConfig, train_conv
+
+    train_conv(ConvConfig(**{**tiny, "epochs": 2}), tmp_path / "r")
+    record = records.load_record(tmp_path / "r", rows=False)
+    assert record["expect"]["count"] == 2
+    records.check_stored_rows(tmp_path / "r")
+    records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}})
+    with pytest.raises(RecordError, match=r"record.json: field 'rows.epoch' is 1 for a "
+                                          r"complete run; allowed: 2, the rows its expect "
+                                          r"declares"):
+        records.check_stored_rows(tmp_path / "r")
+    assert runlock.inspect(tmp_path / "r").status == "unreadable"
+    with pytest.raises(RecordError, match="1 for a complete run"):
+        records.load_runs(tmp_path)
+    # a diverged run may stop short of its declared rows
+    records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}, "status": "diverged"})
+    records.check_stored_rows(tmp_path / "r")
