@@ -76,6 +76,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import unicodedata
 import uuid
@@ -818,18 +819,55 @@ def _execute_run(notebook: str, run_dir: str, run_id: str, params: dict, threads
                                          moved_aside=moved))
 
 
+def _connect(scheduler: str):
+    """A Client of the scheduler at ``scheduler``, or SchedulerError: an address where
+    nothing listens, or where something else answers (an HTTP server made the handshake
+    wait past Client's own timeout; a stray reply failed deep in distributed with a
+    traceback). Connected in a helper thread, given CONNECT_S in all."""
+    from distributed import Client
+
+    def refused(why: str) -> SchedulerError:
+        return SchedulerError(f"cannot reach the Dask scheduler {scheduler!r} ({why}); give "
+                              "its address as tcp://host:port, or leave --scheduler out for "
+                              "a local cluster")
+
+    got: list = []
+
+    def connect() -> None:
+        try:
+            got.append(Client(scheduler, timeout=f"{CONNECT_S}s"))
+        except Exception as err:  # whatever the address gave instead of a scheduler
+            got.append(err)
+
+    # A daemon thread: a handshake that never ends must not hold the process's exit.
+    thread = threading.Thread(target=connect, name="lab-connect", daemon=True)
+    thread.start()
+    thread.join(CONNECT_S + 5)
+    if not got:
+        raise refused(f"no Dask scheduler answered there in {CONNECT_S + 5} s")
+    if isinstance(got[0], Exception):
+        raise refused(f"{type(got[0]).__name__}: {got[0]}"[:300])
+    return got[0]
+
+
+CONNECT_S = 20  # seconds to reach a --scheduler (Client's timeout; the wait adds 5)
+WORKER_WAIT_S = 30  # seconds for a --scheduler to have a worker before the sweep gives up
+
+
 @contextlib.contextmanager
 def _client(scheduler: str | None, workers: int):
     from distributed import Client, LocalCluster
 
     if scheduler:
-        try:
-            client = Client(scheduler, timeout="20s")
-        except (OSError, ValueError, TimeoutError) as err:
-            raise SchedulerError(f"cannot reach the Dask scheduler {scheduler!r} ({err}); give "
-                                 "its address as tcp://host:port, or leave --scheduler out for "
-                                 "a local cluster") from None
+        client = _connect(scheduler)
         with client:
+            try:  # a scheduler without workers would leave the sweep at 0 % for ever
+                client.wait_for_workers(1, timeout=WORKER_WAIT_S)
+            except (TimeoutError, OSError):  # (distributed's WorkerStartTimeoutError too)
+                raise SchedulerError(
+                    f"the Dask scheduler {scheduler!r} has no workers (none joined in "
+                    f"{WORKER_WAIT_S:g} s); start one (`dask worker {scheduler}`), or leave "
+                    "--scheduler out for a local cluster") from None
             yield client
         return
     # One single-threaded worker process per concurrent run: each runs one

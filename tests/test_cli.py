@@ -504,6 +504,35 @@ def test_an_unreachable_scheduler_is_one_line(capsys):
     assert "Traceback" not in err
 
 
+def test_a_scheduler_that_never_answers_or_has_no_workers_is_one_line(capsys, monkeypatch,
+                                                                       tmp_path):
+    # A port where something else listens (an HTTP server) hung past the connect timeout;
+    # a scheduler without workers left the sweep at 0 % for ever, saying nothing.
+    import socket
+
+    from distributed import LocalCluster
+
+    import lab.sweep
+
+    monkeypatch.setattr(lab.sweep, "CONNECT_S", 1)
+    monkeypatch.setattr(lab.sweep, "WORKER_WAIT_S", 1)
+    protocol = str(ROOT / "protocols" / "demo.yaml")
+    with socket.socket() as mute:  # accepts connections, never says a word
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        address = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+        assert cli_main(["sweep", protocol, "--scheduler", address, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the Dask scheduler {address!r} (") and \
+        "Traceback" not in err
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        assert cli_main(["sweep", protocol, "--scheduler", cluster.scheduler_address,
+                         "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the Dask scheduler {cluster.scheduler_address!r} has no "
+                          "workers (none joined in 1 s); start one (`dask worker")
+
+
 def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
