@@ -518,24 +518,8 @@ def _check_report_owner(out: Path, base: str, name: str, source: str) -> None:
                 "after it), or pass --out another reports directory")
 
 
-def _check_analysis_notebook(notebook) -> None:
-    """NotebookError unless ``notebook`` is a readable analysis notebook (it declares the
-    ``protocol`` parameter `lab report` sets): a training notebook or a missing file was
-    found only after the reports directory had been locked and a kernel started."""
-    from .notebook import REPORT_PARAMETERS, NotebookError, notebook_spec
-
-    declared = notebook_spec(notebook, with_class=False).declared  # a missing file: its error
-    if REPORT_PARAMETERS[0] not in declared:
-        raise NotebookError(
-            f"{notebook} is not an analysis notebook: it does not declare the "
-            f"{REPORT_PARAMETERS[0]!r} parameter `lab report` sets (it declares "
-            f"{', '.join(list(declared)[:6])}{', ...' if len(declared) > 6 else ''}); give "
-            "an analysis notebook (notebooks/1x-, 20-, 30-*.ipynb), or run a training notebook "
-            "with `lab run`")
-
-
 def _report(args) -> int:
-    from .notebook import NotebookError, execute, render_html
+    from .notebook import NotebookError, check_reports, execute, notebook_spec, render_html
     from .sweep import expand, load_protocol, stale_runs
 
     try:
@@ -554,7 +538,7 @@ def _report(args) -> int:
         if not notebook:
             raise NotebookError(f"protocol {protocol.source} names no report notebook; add "
                                 "`report: <path>` to it or pass --notebook")
-        _check_analysis_notebook(notebook)  # before the reports directory gets a lock file
+        check_reports(notebook_spec(notebook, with_class=False))  # before the lock file
         # The protocol's own runs are checked however they are named; another runs
         # directory (a copy, a fixture made elsewhere) is the caller's to vouch for.
         if not args.runs or Path(args.runs).resolve() == Path(protocol.out).resolve():

@@ -299,6 +299,20 @@ def check_trains(spec: NotebookSpec) -> None:
             f"<protocol.yaml> --notebook {spec.path}`")
 
 
+def check_reports(spec: NotebookSpec) -> None:
+    """NotebookError unless ``spec``'s notebook is an analysis notebook (it declares the
+    ``protocol`` parameter `lab report` sets): a training notebook was found only after
+    the reports directory had been locked and a kernel started."""
+    declared = spec.declared
+    if REPORT_PARAMETERS[0] not in declared:
+        raise NotebookError(
+            f"{spec.path} is not an analysis notebook: it does not declare the "
+            f"{REPORT_PARAMETERS[0]!r} parameter `lab report` sets (it declares "
+            f"{', '.join(list(declared)[:6])}{', ...' if len(declared) > 6 else ''}); give "
+            "an analysis notebook (notebooks/1x-, 20-, 30-*.ipynb), or run a training notebook "
+            "with `lab run`")
+
+
 def trainer_kind(cls: type | None) -> str | None:
     """The record kind the trainer of config class ``cls`` writes (its ``KIND``:
     ``"conv"`` for ConvConfig); None when the class declares none."""
