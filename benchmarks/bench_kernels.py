@@ -2,8 +2,9 @@
 
 Populations of the 2-D ResNet-20 (width 16) at batch 128 on CIFAR shapes:
 (128, 16, 32, 32), (128, 32, 16, 16), (128, 64, 8, 8). For each, rounds are
-interleaved (every contender once per round, so machine noise hits all alike)
-and medians of the rounds are compared:
+interleaved (every contender once per round, so machine noise hits all alike,
+in an order shuffled every round; see ``_rounds``), and medians of the rounds
+are compared:
 
 - speedup: ``mixed_apical`` (fused kernel, allocating its output as the callers
   do) against the torch reference written naturally (``backend="torch"``, every
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -69,8 +71,15 @@ def _timer(device):
 
 
 def _rounds(contenders: dict, rounds: int, now, before=None) -> dict:
-    """Median seconds of each contender, timed round-robin after one warm-up call each.
+    """Median seconds of each contender, timed in rounds after one warm-up call each.
 
+    Every round calls each contender once, in an order shuffled afresh (seeded):
+    torch and numba each run their own OpenMP pool, whose threads spin on the cores
+    for a while after a parallel call, so whichever contender follows the other
+    library's call shares the cores with those spinning threads. In a fixed order the
+    kernel after the add paid that every round (10 % of its bandwidth at the largest
+    population here) and the add after the last kernel likewise; shuffled, each
+    contender pays it as often as the others.
     The fastest round of each is kept too (``MINIMA``): on a shared machine the
     medians carry other people's load; the minima show what the code can do.
     ``before`` (untimed) runs ahead of every timed call.
@@ -78,8 +87,10 @@ def _rounds(contenders: dict, rounds: int, now, before=None) -> dict:
     for fn in contenders.values():
         fn()
     times = {name: [] for name in contenders}
+    order, shuffle = list(contenders.items()), random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in contenders.items():
+        shuffle(order)
+        for name, fn in order:
             if before is not None:
                 before()
             t0 = now()
