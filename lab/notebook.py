@@ -894,7 +894,7 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             # record left as it is; the lifecycle's own check is the last guard).
             from .data.identity import changed_files  # (lab.data imports torch: lazily)
 
-            changed = changed_files(state.record.get("data"))
+            changed = changed_files(state.record.get("data"), resolved.config.get("data_dir"))
             if changed:
                 resume = "" if state.status in ("complete", "diverged") else \
                     "; resuming it would train on other data (restore the file to resume it)"

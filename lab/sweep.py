@@ -629,7 +629,7 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
         # Compared as a sweep's lab.notebook.decide compares (the notebook's own
         # parameters included).
         why = asked_differences(record, resolved)
-        why += changed_files(record.get("data"))
+        why += changed_files(record.get("data"), resolved.config.get("data_dir"))
         if why:
             stale[spec.run_id] = "; ".join(why)
     return stale

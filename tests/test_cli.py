@@ -668,6 +668,33 @@ def test_a_finished_run_whose_data_file_changed_is_not_done(tmp_path):
     assert changed_files(record["data"]) == [f"{data}: the file is gone"]
 
 
+def test_a_finished_run_on_the_default_data_dir_sees_where_it_points_now(tmp_path,
+                                                                          monkeypatch):
+    # data_dir "" with $LAB_DATA_DIR moved to other data: the run's own directory is
+    # untouched, but these parameters would now train on what the new one holds.
+    from lab.data import content_identity, default_data_dir
+    from lab.notebook import Resolved, RunConflict, decide
+    from test_train_conv import _shuffle_mnist1d_cache
+
+    used, other = tmp_path / "used", tmp_path / "other"
+    for d in (used, other):
+        shutil.copytree(default_data_dir() / "mnist1d", d / "mnist1d")
+    _shuffle_mnist1d_cache(other)
+    run = tmp_path / "run"
+    record = records.new_record(run_id="run", kind="notebook", config={"data_dir": ""})
+    record["status"] = "complete"
+    record["data"] = content_identity("mnist1d", used)
+    records.save_run(run, record)
+    resolved = Resolved({}, {"data_dir": ""}, full=False)
+    monkeypatch.setenv("LAB_DATA_DIR", str(used))
+    assert decide(run, resolved, "never")[0] == "done"
+    monkeypatch.setenv("LAB_DATA_DIR", str(other))
+    with pytest.raises(RunConflict, match=r"already holds a complete run whose data changed "
+                                          rf"since \(mnist1d in {re.escape(str(other))} "
+                                          r"\(data_dir '' now: \$LAB_DATA_DIR"):
+        decide(run, resolved, "never")
+
+
 def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_path, capsys):
     fixture = tmp_path / "summary"
     shutil.copytree(ROOT / "tests" / "fixtures" / "summary", fixture)

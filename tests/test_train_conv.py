@@ -533,6 +533,31 @@ def test_conv_record_holds_the_data_identity_and_refuses_other_data(tiny, tmp_pa
     assert changed_files(done["data"]) == []
 
 
+def test_a_blank_data_dir_compares_the_data_where_it_reads_now(tmp_path, monkeypatch):
+    """data_dir "" reads $LAB_DATA_DIR as found where the run is made: a finished run that
+    read one directory is checked against the data the default directory holds now (the
+    directory it read may be untouched), and the same arrays elsewhere are the same data."""
+    from lab.data import content_identity, default_data_dir
+    from lab.data.identity import changed_files
+
+    used, same, other = (tmp_path / name for name in ("used", "same", "other"))
+    for d in (used, same, other):
+        shutil.copytree(default_data_dir() / "mnist1d", d / "mnist1d")
+    _shuffle_mnist1d_cache(other)
+    data = {**content_identity("mnist1d", used), "split": {"train": 256}}
+    monkeypatch.setenv("LAB_DATA_DIR", str(used))
+    assert changed_files(data, "") == []
+    monkeypatch.setenv("LAB_DATA_DIR", str(same))
+    assert changed_files(data, "") == []  # a cache moved: the same arrays
+    monkeypatch.setenv("LAB_DATA_DIR", str(other))
+    assert changed_files(data, "") == [
+        f"mnist1d in {other} (data_dir '' now: $LAB_DATA_DIR, else ~/.cache/lab; the run "
+        f"read {used}): other content (sha256)"]
+    # A directory named in the config is the one it reads (a change of it is a change of
+    # the config, reported as such); without a config, the directory the run read.
+    assert changed_files(data, str(used)) == changed_files(data) == []
+
+
 def test_cifar10_identity_sees_a_changed_or_missing_batch(tmp_path):
     from lab.data import content_identity
     from lab.data.cifar10 import write_fake_cifar10

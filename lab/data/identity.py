@@ -39,16 +39,22 @@ def file_identity(path: str | Path) -> dict:
     return {"path": str(path), "size": size, "sha256": digest.hexdigest()}
 
 
-def changed_files(data) -> list[str]:
+def changed_files(data, data_dir: str | None = None) -> list[str]:
     """``"<path>: <what> changed"`` for every file identity in a record's ``data`` (any
     nesting) that no longer matches the file: gone, another size, another sha256. The
-    hash is taken only when the size still matches."""
+    hash is taken only when the size still matches.
+
+    ``data_dir``: the ``data_dir`` a config asks now, for a dataset read from a
+    directory. ``""`` (the default directory, ``$LAB_DATA_DIR``, as found where the run
+    is made) may name another directory now than the one the run read; then the
+    dataset is read where the config would read it, and its content compared with the
+    run's (a cache moved with the same arrays is the same data)."""
     changes = []
 
     def walk(node):
         if isinstance(node, dict):
             if {"dataset", "dir", "sha256"} <= set(node):
-                changes.extend(_dataset_changes(node))
+                changes.extend(_dataset_changes(node, data_dir))
                 return
             if {"vega", "length", "sha256"} <= set(node):
                 changes.extend(_vega_changes(node))
@@ -69,13 +75,20 @@ def changed_files(data) -> list[str]:
     return changes
 
 
-def _dataset_changes(node: dict) -> list[str]:
-    # A dataset read from a directory (lab.data.load_dataset's identity): read it again.
-    from lab.data import DataError, content_identity  # (torch: lazily)
+def _dataset_changes(node: dict, data_dir: str | None) -> list[str]:
+    # A dataset read from a directory (lab.data.load_dataset's identity): read it again,
+    # where the config reads it now.
+    from lab.data import DataError, content_identity, default_data_dir  # (torch: lazily)
 
     where = f"{node['dataset']} in {node['dir']}"
+    if data_dir == "" and absolute(str(default_data_dir())) != node["dir"]:
+        here = absolute(str(default_data_dir()))
+        where = (f"{node['dataset']} in {here} (data_dir '' now: $LAB_DATA_DIR, else "
+                 f"~/.cache/lab; the run read {node['dir']})")
+    else:
+        here = node["dir"]
     try:
-        now = content_identity(node["dataset"], node["dir"])
+        now = content_identity(node["dataset"], here)
     except DataError as err:
         return [f"{where}: cannot be read now ({err})"]
     return [] if now["sha256"] == node["sha256"] else [f"{where}: other content (sha256)"]
