@@ -831,6 +831,9 @@ def _connect(scheduler: str):
                               "its address as tcp://host:port, or leave --scheduler out for "
                               "a local cluster")
 
+    why = _unreachable(scheduler)
+    if why:
+        raise refused(why)
     got: list = []
 
     def connect() -> None:
@@ -848,6 +851,32 @@ def _connect(scheduler: str):
     if isinstance(got[0], Exception):
         raise refused(f"{type(got[0]).__name__}: {got[0]}"[:300])
     return got[0]
+
+
+def _unreachable(scheduler: str) -> str | None:
+    """Why a TCP address surely has no scheduler (its host unknown, or nothing listening
+    on its port), found at once; None otherwise (it may answer, or is not TCP). distributed
+    itself retries a refused connection until its timeout, then reports a timeout."""
+    import socket
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        kind, where = parse_address(scheduler)
+        host, port = parse_host_port(where)
+    except Exception:  # (not host:port: distributed says what it makes of the address)
+        return None
+    if kind not in ("tcp", "tls"):
+        return None
+    try:
+        socket.create_connection((host, port), timeout=min(5, CONNECT_S)).close()
+    except socket.gaierror as err:
+        return f"no host named {host!r}: {err.strerror}"
+    except ConnectionRefusedError:
+        return f"nothing listens on port {port} of {host} (connection refused)"
+    except OSError:  # a timeout, no route, ...: left to distributed's own attempts
+        return None
+    return None
 
 
 CONNECT_S = 20  # seconds to reach a --scheduler (Client's timeout; the wait adds 5)

@@ -504,6 +504,25 @@ def test_an_unreachable_scheduler_is_one_line(capsys):
     assert "Traceback" not in err
 
 
+def test_a_refused_or_unknown_scheduler_address_is_said_at_once(capsys):
+    # A port where nothing listens was reported as a timeout, after 20 s of retries.
+    import socket
+
+    with socket.socket() as s:  # a free port, closed again: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    protocol = str(ROOT / "protocols" / "demo.yaml")
+    for address, why in [(f"tcp://127.0.0.1:{port}", f"nothing listens on port {port} of "
+                                                      "127.0.0.1 (connection refused)"),
+                         ("tcp://no-such-host.invalid:8786", "no host named "
+                                                             "'no-such-host.invalid': ")]:
+        start = time.perf_counter()
+        assert cli_main(["sweep", protocol, "--scheduler", address, "-q"]) == 2
+        assert time.perf_counter() - start < 10
+        assert capsys.readouterr().err.startswith(
+            f"error: cannot reach the Dask scheduler {address!r} ({why}")
+
+
 def test_a_scheduler_that_never_answers_or_has_no_workers_is_one_line(capsys, monkeypatch,
                                                                        tmp_path):
     # A port where something else listens (an HTTP server) hung past the connect timeout;
@@ -672,9 +691,10 @@ def test_a_finished_run_on_the_default_data_dir_sees_where_it_points_now(tmp_pat
                                                                           monkeypatch):
     # data_dir "" with $LAB_DATA_DIR moved to other data: the run's own directory is
     # untouched, but these parameters would now train on what the new one holds.
+    from test_train_conv import _shuffle_mnist1d_cache
+
     from lab.data import content_identity, default_data_dir
     from lab.notebook import Resolved, RunConflict, decide
-    from test_train_conv import _shuffle_mnist1d_cache
 
     used, other = tmp_path / "used", tmp_path / "other"
     for d in (used, other):
