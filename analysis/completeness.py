@@ -2,7 +2,8 @@
 
 What a complete run holds is what its trainer declared and the record stores
 (``expect``: axis, row count, stride, metrics required on every row, periodic
-metrics, final metrics; see ``lab.lifecycle.Expectation``), so the check works
+metrics, final metrics, row metrics that may be undefined (NaN) as a result; see
+``lab.lifecycle.Expectation``), so the check works
 on any axis and for any trainer without reading a trainer's parameters. An
 analysis may require more (``row_metrics``, ``final_metrics``: e.g. the
 rule comparison needs alignment). Every missing run, unfinished run, missing
@@ -149,6 +150,7 @@ def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Seque
     by letter. ``undefined`` names row metrics (or prefixes ending in "/") that may be
     NaN because the quantity is undefined there (e.g. a cosine at a silent layer):
     present and NaN is then a result, not a gap; missing or infinite still is a problem.
+    A run's record adds those its trainer declared (``expect["undefined"]``).
     """
     expected = names(expected_ids, "expected_ids", "run ids")
     row_metrics = names(row_metrics, "row_metrics")
@@ -175,7 +177,8 @@ def find_problems(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Seque
                             "(written by an older lab or a plain notebook); rerun it")
             continue
         rows = groups.get((run_id, expect["axis"]), empty)
-        problems += _row_problems(run_id, rows, expect, row_metrics, undefined)
+        problems += _row_problems(run_id, rows, expect, row_metrics,
+                                  (*undefined, *expect.get("undefined", ())))
         problems += _final_problems(run_id, groups.get((run_id, "final"), empty),
                                     list(expect.get("final", ())) + final_metrics)
     return list(dict.fromkeys(problems))
@@ -235,20 +238,24 @@ def check_fields(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequen
 
 
 def check_complete(runs: pd.DataFrame, metrics: pd.DataFrame, expected_ids: Sequence[str],
-                   row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = ()) -> None:
+                   row_metrics: Sequence[str] = (), final_metrics: Sequence[str] = (),
+                   undefined: Sequence[str] = ()) -> None:
     """Raise IncompleteProtocolError listing every gap, or return None when complete.
 
     Complete means: every expected run is present with status ``complete`` and
     holds what its record declares (rows on its axis, their metrics, its final
     metrics), plus ``row_metrics`` on every row and ``final_metrics``, all
-    present and finite. Runs that are not expected are ignored.
+    present and finite, except that a row metric its record declares undefined-able
+    (``expect["undefined"]``: a conv run's alignment cosines), or one ``undefined``
+    names, may be NaN (see :func:`find_problems`). Runs that are not expected are
+    ignored.
 
     A ``row_metrics`` or ``final_metrics`` name that no expected run records
     is an :class:`UnknownFieldError` (see :func:`check_fields`), not a gap per run.
     """
     expected = names(expected_ids, "expected_ids", "run ids")
     check_fields(runs, metrics, expected, row_metrics, final_metrics)
-    problems = find_problems(runs, metrics, expected, row_metrics, final_metrics)
+    problems = find_problems(runs, metrics, expected, row_metrics, final_metrics, undefined)
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
         raise IncompleteProtocolError(

@@ -64,9 +64,10 @@ class ProtocolRuns:
         """Grid keys written as one column of text: see :func:`_text_keys`."""
         return _text_keys(self.protocol.grid)
 
-    def check_complete(self, row_metrics=(), final_metrics=()) -> None:
+    def check_complete(self, row_metrics=(), final_metrics=(), undefined=()) -> None:
         """:func:`analysis.completeness.check_complete` for this protocol's expected runs."""
-        check_complete(self.runs, self.metrics, self.expected_ids, row_metrics, final_metrics)
+        check_complete(self.runs, self.metrics, self.expected_ids, row_metrics, final_metrics,
+                       undefined)
 
     def table(self) -> pd.DataFrame:
         """One row per expected run: run_id, its grid values (dict values of one shape

@@ -62,7 +62,10 @@ class Expectation:
     and finite) on every row, ``periodic`` entries ``(name, every, offset)`` on
     rows whose axis value ``v`` has ``(v - offset) % every == 0``, ``final`` in
     the final metrics. A name ending in "/" is a prefix: at least one metric
-    under it, all finite. Nested row dicts flatten with "/".
+    under it, all finite. Nested row dicts flatten with "/". ``undefined`` names
+    row metrics (or prefixes) that may be NaN in a complete run because the
+    quantity is undefined there, a result and not a gap (a cosine at a silent
+    layer is 0/0); present they must still be, and never infinite.
     """
 
     axis: str
@@ -71,6 +74,7 @@ class Expectation:
     metrics: tuple[str, ...] = ()
     periodic: tuple[tuple[str, int, int], ...] = ()
     final: tuple[str, ...] = ()
+    undefined: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.axis not in records.AXES:
@@ -87,9 +91,11 @@ class Expectation:
                                   f"{offset!r}) needs an int every >= 1 and an int offset")
 
     def as_dict(self) -> dict:
+        # ``undefined`` only where declared: records without it read as none.
         return {"axis": self.axis, "count": self.count, "stride": self.stride,
                 "metrics": list(self.metrics), "final": list(self.final),
-                "periodic": [list(p) for p in self.periodic]}
+                "periodic": [list(p) for p in self.periodic],
+                **({"undefined": list(self.undefined)} if self.undefined else {})}
 
 
 @dataclass(frozen=True)

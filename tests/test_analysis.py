@@ -169,6 +169,41 @@ def test_check_complete_is_generic():
     ]
 
 
+def test_a_metric_the_record_declares_undefined_may_be_nan_but_not_missing_or_inf():
+    # A conv run whose network fell silent has NaN alignment cosines (0/0), its result;
+    # 10-summary refused such a complete run and advised changing its config.
+    nan, inf = float("nan"), float("inf")
+    expect = {"axis": "epoch", "count": 2, "stride": 1, "metrics": ["loss"],
+              "periodic": [["alignment/", 1, 0]], "final": [], "undefined": ["alignment/"]}
+
+    def problems(cos_b, declared=True, undefined=()):
+        rows = [(rid, "epoch", e, "loss", 1.0) for rid in "ab" for e in range(2)]
+        rows += [("a", "epoch", e, "alignment/update_cos/l0", 0.5) for e in range(2)]
+        rows += [("b", "epoch", e, "alignment/update_cos/l0", v) for e, v in enumerate(cos_b)]
+        runs = pd.DataFrame({"run_id": ["a", "b"], "status": ["complete"] * 2,
+                             "error": [None] * 2, "expect": [
+                                 expect, expect if declared else {
+                                     k: v for k, v in expect.items() if k != "undefined"}]})
+        frame = pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS))
+        try:
+            check_complete(runs, frame, ["a", "b"], undefined=undefined)
+        except IncompleteProtocolError as err:
+            return err.problems
+        return []
+
+    assert problems([0.5, nan]) == []
+    assert problems([nan, nan]) == []
+    assert problems([0.5, inf]) == [
+        "b: metrics under 'alignment/' is non-finite (inf in alignment/update_cos/l0) at "
+        "epochs 1"]
+    assert problems([0.5]) == ["b: metrics under 'alignment/' missing at epochs 1"]
+    # A record that does not declare it (an older run): NaN is a gap, unless asked.
+    assert problems([0.5, nan], declared=False) == [
+        "b: metrics under 'alignment/' is non-finite (nan in alignment/update_cos/l0) at "
+        "epochs 1"]
+    assert problems([0.5, nan], declared=False, undefined=["alignment/"]) == []
+
+
 @pytest.mark.parametrize("case", ["gap", "diverged", "nan final", "both"])
 def test_the_advice_fits_the_problems(case):
     # "rerun the sweep to fill the gaps" was the advice for a diverged run and a NaN final

@@ -410,9 +410,29 @@ def test_periodic_evaluations_fall_on_their_cadence_and_match_the_declaration(ti
         "axis": "epoch", "count": 7, "stride": 1,
         "metrics": ["train_loss", "train_acc", "lr"],
         "periodic": [["val_loss", 3, 2], ["val_acc", 3, 2], ["alignment/", 3, 2]],
-        "final": ["test_loss", "test_acc"]}
+        "final": ["test_loss", "test_acc"], "undefined": ["alignment/"]}
     check_complete(records.load_runs(tmp_path), records.load_metrics(tmp_path), ["r"])
     assert record["run_id"] == "r" and record["environment"]["device"] == "cpu"
+
+
+def test_a_run_whose_network_fell_silent_is_complete_with_undefined_alignment(tmp_path):
+    # lr 1.0 without normalisation silences a width-1 network after one epoch: its
+    # cosines are 0/0 from then on, NaN in the record. That is its result, and
+    # 10-summary (check_complete) refused the complete run as holding "non-finite" values.
+    from analysis.completeness import IncompleteProtocolError, check_complete
+
+    config = ConvConfig(dataset="mnist1d", n_train=64, val_fraction=0.0, eval_every=0, depth=8,
+                        width=1, epochs=3, normalization="none", schedule="constant", lr=1.0,
+                        batch_size=16, alignment_every=1, alignment_batch=16, progress=False)
+    record = train_conv(config, tmp_path / "r", run_id="r")
+    cosines = [row["alignment"]["mean_update_cos"] for row in record["trajectory"]]
+    assert record["status"] == "complete" and math.isfinite(cosines[0]) and \
+        all(math.isnan(c) for c in cosines[1:])
+    check_complete(records.load_runs(tmp_path), records.load_metrics(tmp_path), ["r"])
+    with pytest.raises(IncompleteProtocolError, match=r"r: field 'train_loss' missing"):
+        metrics = records.load_metrics(tmp_path)
+        check_complete(records.load_runs(tmp_path),
+                       metrics[metrics["metric"] != "train_loss"], ["r"])
 
 
 def test_a_rules_row_metrics_are_declared(tiny):

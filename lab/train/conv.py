@@ -349,7 +349,10 @@ def expectation(config: ConvConfig) -> Expectation:
         metrics=("train_loss", "train_acc", "lr")
         # A rule names the diagnostics it records every epoch (``Rule.row_metrics``).
         + tuple(f"rule/{name}" for name in getattr(rule_class(config.rule), "row_metrics", ())),
-        periodic=tuple(periodic), final=("test_loss", "test_acc"))
+        periodic=tuple(periodic), final=("test_loss", "test_acc"),
+        # A cosine at a silent layer or population is 0/0: NaN, the run's result
+        # (lab.diagnostics.alignment), which a completeness check must not call a gap.
+        undefined=("alignment/",) if config.alignment_every else ())
 
 
 def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
