@@ -1040,6 +1040,7 @@ def run_metrics(record_path) -> pd.DataFrame:
     record = _read_record(record_path)
     if record["schema_version"] == 1:
         return _v1_metrics(record_path, record)
+    _check_complete_counts(record, record_path)  # as every listing checks it
     for axis, count in record["rows"].items():
         record[ROW_KEYS[axis]] = read_rows(record_path.parent, axis, count)
     return tidy_metrics(record)

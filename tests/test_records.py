@@ -680,6 +680,9 @@ def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, ti
     assert runlock.inspect(tmp_path / "r").status == "unreadable"
     with pytest.raises(RecordError, match="1 for a complete run"):
         records.load_runs(tmp_path)
+    with pytest.raises(RecordError, match="1 for a complete run"):  # it returned one epoch
+        records.load_metrics(tmp_path)
     # a diverged run may stop short of its declared rows
     records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}, "status": "diverged"})
     records.check_stored_rows(tmp_path / "r")
+    assert list(records.load_metrics(tmp_path).query("axis == 'epoch'")["index"].unique()) == [0]

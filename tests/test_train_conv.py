@@ -578,6 +578,33 @@ def test_a_blank_data_dir_compares_the_data_where_it_reads_now(tmp_path, monkeyp
     assert changed_files(data, str(used)) == changed_files(data) == []
 
 
+def test_a_resume_reads_the_same_arrays_from_a_moved_default_data_dir(tiny, tmp_path,
+                                                                       monkeypatch):
+    # $LAB_DATA_DIR pointed at a copy of the same cache: the resume was refused as "trained
+    # on other data (dir: ...)" inside the kernel, and the interrupted run marked failed.
+    from lab.data import default_data_dir
+
+    used, moved, other = (tmp_path / name for name in ("used", "moved", "other"))
+    for d in (used, moved, other):
+        shutil.copytree(default_data_dir() / "mnist1d", d / "mnist1d")
+    _shuffle_mnist1d_cache(other)
+    config = ConvConfig(**{**tiny, "epochs": 3})
+    assert config.data_dir == ""
+    monkeypatch.setenv("LAB_DATA_DIR", str(used))
+    whole = train_conv(config, tmp_path / "whole")
+    _interrupt_at(1, monkeypatch, config, tmp_path / "run")
+    monkeypatch.setenv("LAB_DATA_DIR", str(other))
+    with pytest.raises(CheckpointError, match=r"belongs to a run trained on other data "
+                                              r"\(sha256: "):
+        train_conv(config, tmp_path / "run")
+    monkeypatch.setenv("LAB_DATA_DIR", str(moved))
+    resumed = train_conv(config, tmp_path / "run")
+    assert resumed["status"] == "complete" and resumed["data"]["dir"] == str(moved)
+    assert records.without_timings(resumed["trajectory"]) == \
+        records.without_timings(whole["trajectory"])
+    assert resumed["final"]["test_acc"] == whole["final"]["test_acc"]
+
+
 def test_cifar10_identity_sees_a_changed_or_missing_batch(tmp_path):
     from lab.data import content_identity
     from lab.data.cifar10 import write_fake_cifar10

@@ -39,6 +39,18 @@ def file_identity(path: str | Path) -> dict:
     return {"path": str(path), "size": size, "sha256": digest.hexdigest()}
 
 
+def content_only(data):
+    """A record's ``data`` without where a dataset was read from: a dataset read from a
+    directory is its arrays (their sha256), so the same arrays found in another directory
+    (a cache moved, ``$LAB_DATA_DIR`` pointed elsewhere) are the same data. A data
+    file keeps its path: it is what the config names."""
+    if isinstance(data, dict):
+        keep = {k: v for k, v in data.items()
+                if not (k == "dir" and {"dataset", "sha256"} <= set(data))}
+        return {k: content_only(v) for k, v in keep.items()}
+    return data
+
+
 def changed_files(data, data_dir: str | None = None) -> list[str]:
     """``"<path>: <what> changed"`` for every file identity in a record's ``data`` (any
     nesting) that no longer matches the file: gone, another size, another sha256. The
