@@ -98,6 +98,27 @@ class Expectation:
                 **({"undefined": list(self.undefined)} if self.undefined else {})}
 
 
+class _Positions:
+    """Row positions without a progress bar, answering what trainers ask of one.
+
+    Not a disabled tqdm: tqdm takes a lock shared with forked processes (a
+    multiprocessing semaphore) when a bar is made and closed, disabled or not, and a
+    forked process killed while holding it left every other process that makes a bar
+    waiting for ever (a test that SIGKILLs forked runs hung on it)."""
+
+    def __init__(self, start: int, stop: int):
+        self._positions = range(start, stop)
+
+    def __iter__(self):
+        return iter(self._positions)
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Divergence:
     """When a run stops as ``diverged`` (the same policy for every trainer).
@@ -462,11 +483,12 @@ class Lifecycle:
     # -- rows -----------------------------------------------------------------
 
     def rows(self):
-        """The remaining row positions, with a progress bar."""
+        """The remaining row positions, with a progress bar (``progress``), else plain."""
         done = len(self.rows_logged)
+        if not self.progress:
+            return _Positions(done, self.expect.count)
         return tqdm(range(done, self.expect.count), desc=self.desc or self.kind,
-                    unit=self.axis, initial=done, total=self.expect.count,
-                    disable=not self.progress)
+                    unit=self.axis, initial=done, total=self.expect.count)
 
     def baseline(self, loss: float) -> None:
         """The training loss at initialisation: the divergence bound scales with it."""

@@ -85,6 +85,26 @@ def test_non_finite_final_evaluation_diverges(tmp_path):
     assert records.load_record(tmp_path / "r")["status"] == "diverged"
 
 
+def test_rows_without_progress_never_touch_tqdm(tmp_path, monkeypatch):
+    # A disabled tqdm still takes tqdm's lock shared with forked processes; a forked run
+    # SIGKILLed while holding it left the next bar waiting for ever (the SIGKILL test hung).
+    import lab.lifecycle
+
+    def no_bar(*args, **kwargs):
+        raise AssertionError("a progress bar was made")
+
+    monkeypatch.setattr(lab.lifecycle, "tqdm", no_bar)
+    life = Lifecycle(kind="t", config=SyntheticConfig(steps=3), expect=Expectation("step", 3),
+                     parts={}, out_dir=tmp_path / "r", progress=False)
+    with life:
+        life.start()
+        life.log({"train_loss": 1.0})
+        rows = life.rows()
+        assert list(rows) == [1, 2]  # the positions left, as the bar would give them
+        rows.set_postfix(loss="1.0")
+        rows.close()
+
+
 @pytest.mark.parametrize("bad", [{"factor": 1.0}, {"cap": 0.0}])
 def test_divergence_policy_refuses_bounds_that_stop_every_run(bad):
     with pytest.raises(ValueError, match="must be > 1 and cap"):
