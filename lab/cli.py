@@ -119,11 +119,18 @@ def _error(exc: Exception | str) -> int:
     return 2
 
 
+_CHECKPOINT = "checkpoint.pt"  # lab.lifecycle.CHECKPOINT (which imports torch)
+
+
 def _interrupted(out) -> int:
     # Ctrl-C: the last checkpoint is on disk; `lab runs` reads the unheld run as interrupted.
     if not Path(out).exists():  # stopped while starting: there is nothing to resume
         print(f"\ninterrupted before the run started; nothing was made in {out}",
               file=sys.stderr)
+    elif not (Path(out) / _CHECKPOINT).exists():  # (checkpoint_every 0: only at the end)
+        print(f"\ninterrupted before the run's first checkpoint; the same command again "
+              f"starts {out} from the beginning (checkpoint_every sets how often a run "
+              "saves)", file=sys.stderr)
     else:
         print(f"\ninterrupted; run the same command again to resume {out} from its last "
               "checkpoint", file=sys.stderr)

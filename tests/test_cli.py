@@ -26,6 +26,7 @@ from lab.cli import main as cli_main
 from lab.cli import runs_table
 from lab.config import ConfigError
 from lab.data import DataError, load_dataset, train_size
+from lab.lifecycle import CHECKPOINT
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO = ROOT / "tests" / "fixtures" / "notebooks" / "echo.ipynb"
@@ -563,6 +564,13 @@ def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == \
         f"interrupted before the run started; nothing was made in {out}"
     out.mkdir()
+    # Before a checkpoint (checkpoint_every 0 saves only at the end): it starts afresh. It
+    # said "resume ... from its last checkpoint" with none on disk.
+    assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"interrupted before the run's first checkpoint; the same command again starts {out} "
+        "from the beginning (checkpoint_every sets how often a run saves)")
+    (out / CHECKPOINT).write_bytes(b"")
     assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert err.strip() == (f"interrupted; run the same command again to resume {out} from its "
@@ -570,6 +578,12 @@ def test_ctrl_c_during_a_run_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("lab.train.train_conv", interrupted)
     assert cli_main(["train", "--out", str(out), "-p", "epochs", "1"]) == 130
     assert "interrupted; run the same command again" in capsys.readouterr().err
+
+
+def test_the_clis_checkpoint_name_is_the_lifecycles():
+    import lab.cli
+
+    assert lab.cli._CHECKPOINT == CHECKPOINT
 
 
 def test_sigterm_during_a_run_is_ctrl_c_with_exit_143(tmp_path, capsys, monkeypatch):
@@ -586,6 +600,7 @@ def test_sigterm_during_a_run_is_ctrl_c_with_exit_143(tmp_path, capsys, monkeypa
     monkeypatch.setattr(lab.notebook, "execute", terminated)
     out = tmp_path / "r"
     out.mkdir()
+    (out / CHECKPOINT).write_bytes(b"")
     assert cli_main(["run", str(TRAIN), "--out", str(out)]) == 143
     assert capsys.readouterr().err.strip() == (
         f"interrupted; run the same command again to resume {out} from its last checkpoint")
