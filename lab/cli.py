@@ -551,8 +551,8 @@ def _report(args) -> int:
         if not args.runs or Path(args.runs).resolve() == Path(protocol.out).resolve():
             # Runs a sweep still trains: the notebook would run to the end and fail on
             # them (status running, rows missing); said at once instead.
-            live = {spec.run_id: runlock.holder(Path(protocol.out) / spec.run_id)
-                    for spec in expand(protocol)}
+            run_ids = [spec.run_id for spec in expand(protocol)]
+            live = {run_id: runlock.holder(Path(protocol.out) / run_id) for run_id in run_ids}
             live = {run_id: pid for run_id, pid in live.items() if pid is not None}
             if live:
                 raise NotebookError(
@@ -561,6 +561,13 @@ def _report(args) -> int:
                     + "\n".join(f"  - {run_id}: held by pid {pid or 'unknown'}"
                                 for run_id, pid in list(live.items())[:8])
                     + (f"\n  and {len(live) - 8} more" if len(live) > 8 else ""))
+            if not any((Path(protocol.out) / run_id / runlock.RECORD_FILE).exists()
+                       for run_id in run_ids):
+                # The notebook would start a kernel only to list every run as missing.
+                raise NotebookError(
+                    f"none of the {len(run_ids)} run(s) of {protocol.source} has a record in "
+                    f"{protocol.out} yet, so no report was made: run `lab sweep "
+                    f"{args.protocol}` first")
             stale = stale_runs(protocol)
             if stale:
                 raise NotebookError(

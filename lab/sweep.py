@@ -73,6 +73,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -96,6 +97,12 @@ _REPORT_SUFFIXES = (".pending", ".failed", ".html")  # lab report's own names
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.=,+-_")
 _KEY_CHARS = _ID_CHARS - {"=", ","}  # a dict key inside an id: a parameter name
 _ENV_AT_IMPORT = dict(os.environ)  # before any in-process Dask nanny edits it (kernel_env)
+
+
+# Runs a protocol may make. Each is resolved and checked before any starts (about 4 ms
+# a run here) and each costs a kernel start (3 s): 10,000 is an hour of checks and
+# overhead alone; a grid of 10**7 points hung `lab sweep` silently.
+MAX_RUNS = 10_000
 
 
 class ProtocolError(ConfigError):
@@ -125,6 +132,8 @@ class Protocol:
 
     def __post_init__(self):
         validate(self)
+        for part in ("fixed", "grid"):
+            _check_names(f"Protocol.{part}", getattr(self, part))
         if not self.name or _UNSAFE.search(self.name):
             raise ProtocolError(f"Protocol.name={self.name!r} is not allowed; use a non-empty "
                                 "name of ASCII letters, digits and . = , + - _ (it names "
@@ -147,6 +156,13 @@ class Protocol:
             raise ProtocolError(
                 "Protocol.grid values must be non-empty lists; got "
                 + ", ".join(f"{key}: {value!r}" for key, value in bad.items()))
+        count = math.prod(len(values) for values in self.grid.values())
+        if count > MAX_RUNS:  # every run is checked before any starts: hours, silently
+            raise ProtocolError(
+                f"Protocol.grid makes {count:,} runs ("
+                + " x ".join(f"{len(v)} {k}" for k, v in self.grid.items())
+                + f"); a protocol holds at most {MAX_RUNS:,}: split it into several "
+                "protocols, or vary fewer keys at once")
         both = sorted(set(self.grid) & set(self.fixed))
         if both:
             raise ProtocolError(f"Protocol parameter(s) {', '.join(both)} are both fixed and in "
@@ -159,6 +175,22 @@ class Protocol:
             raise ProtocolError(f"Protocol.fixed {', '.join(shadowed)} would override that leaf "
                                 "of every grid value; set it inside each grid value instead, or "
                                 "take the key out of the grid")
+        # Likewise a dotted grid key inside another grid key whose dict values hold that
+        # leaf: the run ids would name the dict's value, the runs would train with the
+        # dotted key's. (A leaf the dicts do not hold is a product of the two: allowed.)
+        overridden = []
+        for k in self.grid:
+            for g in self.grid:
+                holding = [v for v in self.grid[g] if k.startswith(g + ".")
+                           and _holds(v, k[len(g) + 1:])]
+                if holding:
+                    overridden.append(f"{k} (inside grid key {g}, whose value {holding[0]!r} "
+                                      "sets it)")
+        if overridden:
+            raise ProtocolError(f"Protocol.grid {', '.join(overridden)} would override that "
+                                "leaf of the other key's values, which the run ids would still "
+                                "name; vary the leaf in one of the two keys only")
+        _check_whole_and_dotted("Protocol.fixed", self.fixed)
         self._check_overrides()
         self._check_paths()
         self._check_threads()
@@ -181,6 +213,9 @@ class Protocol:
                     f"Protocol.overrides[{key!r}] is a {type(table).__name__}; it must map "
                     f"values of grid[{key!r}] to parameter mappings")
             for value, params in table.items():
+                if isinstance(params, dict):
+                    _check_names(f"Protocol.overrides[{key!r}][{value!r}]", params)
+                    _check_whole_and_dotted(f"Protocol.overrides[{key!r}][{value!r}]", params)
                 if value not in self.grid[key]:
                     raise ProtocolError(
                         f"Protocol.overrides[{key!r}][{value!r}]: {value!r} is not a value of "
@@ -210,6 +245,26 @@ class Protocol:
                         "the override's value of that leaf would never apply; in the override, "
                         "set the leaf as the same dotted key (it then wins), or in fixed, give "
                         "the whole dict instead of the dotted key")
+
+        self._check_override_clashes()
+
+    def _check_override_clashes(self) -> None:
+        # Two grid keys' tables that set one parameter differently meet in every run that has
+        # both values (the grid is a product): one would win silently, by key order.
+        tables = [(key, value, params) for key, table in self.overrides.items()
+                  for value, params in table.items()]
+        for i, (k1, v1, p1) in enumerate(tables):
+            for k2, v2, p2 in tables[i + 1:]:
+                if k1 == k2:
+                    continue
+                clash = sorted(p for p in p1 if p in p2 and p1[p] != p2[p])
+                if clash:
+                    name = clash[0]
+                    raise ProtocolError(
+                        f"Protocol.overrides[{k1!r}][{v1!r}] and overrides[{k2!r}][{v2!r}] both "
+                        f"set {name} ({p1[name]!r} and {p2[name]!r}) for the runs with "
+                        f"{k1}={v1!r} and {k2}={v2!r}; one would win silently: set "
+                        f"{', '.join(clash)} in one of the two tables")
 
     def _check_paths(self) -> None:
         # An empty path would silently mean the current directory (the one `lab` is run
@@ -251,6 +306,35 @@ class Protocol:
         return out
 
 
+def _check_names(where: str, mapping: dict) -> None:
+    """Refuse keys that are not parameter names (YAML reads ``5:`` as an int, ``~:`` as null)."""
+    bad = [key for key in mapping if not isinstance(key, str)]
+    if bad:
+        raise ProtocolError(f"{where} has key(s) that are not parameter names: "
+                            f"{', '.join(map(repr, bad))}; a key is the name of a notebook "
+                            "parameter (text), or a dotted path into one")
+
+
+def _check_whole_and_dotted(where: str, mapping: dict) -> None:
+    """Refuse a dict parameter given whole and by a dotted key inside it in one mapping
+    (as ``-p`` refuses it): the dotted key would win without a word."""
+    for key in mapping:
+        parent = next((p for p in mapping if key.startswith(p + ".")), None)
+        if parent is not None:
+            raise ProtocolError(f"{where} sets {key}, a key inside {parent}, which it also "
+                                f"gives whole ({mapping[parent]!r}); give either the whole "
+                                f"{parent} or its dotted keys")
+
+
+def _holds(value, path: str) -> bool:
+    """Whether dict ``value`` holds the dotted ``path`` ("b.c": value["b"]["c"])."""
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One run of a protocol: its id, the notebook parameters, and its grid point."""
@@ -286,6 +370,8 @@ def _build(data: dict, path: Path) -> Protocol:
         raise ProtocolError(f"protocol {path}: missing key(s) {', '.join(missing)}; "
                             f"required: {', '.join(required)}")
     report = data.get("report")
+    if "report" in data and report is None:  # `report:` left empty (YAML null): none
+        data = {**data, "report": ""}
     if isinstance(report, str) and not report.strip():  # "" is the default's "none"
         raise ProtocolError(f"protocol {path}: Protocol.report={report!r} is blank; give the "
                             "analysis notebook `lab report` executes (a path relative to the "
@@ -366,6 +452,18 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
     return spec
 
 
+def _check_report(protocol: Protocol) -> None:
+    """A ``report`` that is no analysis notebook (a training notebook, a text file) is
+    found now, as a missing one is, not by `lab report` after the whole sweep."""
+    from .notebook import NotebookError, check_reports, notebook_spec
+
+    if protocol.report:
+        try:
+            check_reports(notebook_spec(protocol.report, with_class=False))
+        except NotebookError as err:
+            raise ProtocolError(f"protocol {protocol.source}: Protocol.report: {err}") from None
+
+
 def _some(ids: list[str], shown: int = 8) -> str:
     # A large grid's refusal names a few runs, not thousands (one paragraph still).
     more = len(ids) - shown
@@ -439,6 +537,7 @@ def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Prot
     path = Path(path).resolve()
     protocol = _build(_read_yaml(path), path)
     spec = _check_notebook(protocol, configs)
+    _check_report(protocol)
     expand(protocol)  # duplicate run ids are a protocol error, found now
     if configs:
         _check_runs(protocol, spec, preflight)

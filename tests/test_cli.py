@@ -882,6 +882,16 @@ def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, 
     assert not (tmp_path / "rep").exists()
 
 
+def test_report_before_any_run_is_refused_at_once(tmp_path, capsys):
+    # It started a kernel (16 s) to list every run as missing, and left a failed report.
+    path = _reported_protocol(tmp_path, [0, 1])
+    assert cli_main(["report", str(path), "--out", str(tmp_path / "rep")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: none of the 2 run(s) of {path} has a record in {tmp_path / 'runs'} yet, so no "
+        f"report was made: run `lab sweep {path}` first\n")
+    assert not (tmp_path / "rep").exists()
+
+
 def test_report_while_a_run_trains_is_refused_at_once(tmp_path, capsys):
     # It ran the whole analysis notebook (50 s under load), then failed on the running run.
     path = _reported_protocol(tmp_path, [0, 1])

@@ -82,6 +82,33 @@ def write_protocol(path: Path, **fields) -> Path:
      r"was started: x.scale=1 sets a key inside x, but x is 1"
      r" \(int\), not a dict"),
     ({"colour": "red"}, r"unknown key\(s\) colour; allowed: name, notebook, out, grid, fixed"),
+    # keys YAML reads as numbers or null gave AttributeError / TypeError tracebacks
+    ({"fixed": {5: 1}}, r"Protocol.fixed has key\(s\) that are not parameter names: 5; a key "
+                        r"is the name of a notebook parameter"),
+    ({"fixed": {None: 1}}, r"Protocol.fixed has key\(s\) that are not parameter names: None"),
+    ({"grid": {"x": [1], 1: [2]}}, r"Protocol.grid has key\(s\) that are not parameter names: 1"),
+    ({"overrides": {"x": {1: {7: 1}}}}, r"Protocol.overrides\['x'\]\[1\] has key\(s\) that "
+                                        r"are not parameter names: 7"),
+    # a grid of 10**7 points made `lab sweep` check every run first, silently, for hours
+    ({"grid": {f"k{i}": list(range(10)) for i in range(7)}},
+     r"Protocol.grid makes 10,000,000 runs \(10 k0 x 10 k1 x .* x 10 k6\); a protocol "
+     r"holds at most 10,000: split it"),
+    # one leaf given twice in one mapping: the dotted key won without a word
+    ({"fixed": {"opts": {"scale": 2.0}, "opts.scale": 0.5}},
+     r"Protocol.fixed sets opts.scale, a key inside opts, which it also gives whole "
+     r"\(\{'scale': 2.0\}\); give either the whole opts or its dotted keys"),
+    ({"overrides": {"x": {1: {"opts.scale": 0.5, "opts": {"scale": 3.0}}}}},
+     r"Protocol.overrides\['x'\]\[1\] sets opts.scale, a key inside opts"),
+    # a dotted grid key overriding the leaf another grid key's dicts set (ids named those)
+    ({"grid": {"opts": [{"scale": 0.5}, {"scale": 2.0}], "opts.scale": [1.0]}},
+     r"Protocol.grid opts.scale \(inside grid key opts, whose value \{'scale': 0.5\} sets "
+     r"it\) would override that leaf of the other key's values"),
+    # two grid keys' overrides of one parameter: the later key won silently
+    ({"grid": {"x": [1, 2], "fail_on": [0, 5]},
+      "overrides": {"x": {1: {"opts": {"a": 1}}}, "fail_on": {0: {"opts": {"a": 2}}}}},
+     r"Protocol.overrides\['fail_on'\]\[0\] and overrides\['x'\]\[1\] both set opts "
+     r"\(\{'a': 2\} and \{'a': 1\}\) for the runs with fail_on=0 and x=1; one would win "
+     r"silently: set opts in one of the two tables"),
     ({"workers": 0}, r"Protocol.workers=0 is out of range"),
     ({"name": "a/b"}, r"Protocol.name='a/b' is not allowed"),
     # '..' and '.' made `lab report` rmtree the reports directory's parent / itself
@@ -98,6 +125,26 @@ def write_protocol(path: Path, **fields) -> Path:
 def test_bad_protocols(tmp_path, fields, message):
     with pytest.raises(ProtocolError, match=message):
         load_protocol(write_protocol(tmp_path / "p.yaml", **fields))
+
+
+def test_grid_keys_that_combine_and_overrides_that_agree_are_allowed(tmp_path):
+    # A dotted grid key the other key's dicts do not hold is a product of the two; two
+    # tables giving one parameter the same value do not conflict; a 10,000-run grid loads.
+    protocol = load_protocol(write_protocol(
+        tmp_path / "p.yaml", grid={"opts": [{"a": 1}, {"a": 2}], "opts.b": [3, 4]}))
+    assert sorted((s.params["opts"]["a"], s.params["opts.b"]) for s in expand(protocol)) == [
+        (1, 3), (1, 4), (2, 3), (2, 4)]
+    load_protocol(write_protocol(tmp_path / "p.yaml", grid={"x": [1, 2], "fail_on": [0, 5]},
+                                 overrides={"x": {1: {"opts": {"a": 1}}},
+                                            "fail_on": {0: {"opts": {"a": 1}}}}))
+    big = load_protocol(write_protocol(tmp_path / "p.yaml",
+                                       grid={"x": list(range(100)), "fail_on": list(range(100))}))
+    assert len(big.grid["x"]) * len(big.grid["fail_on"]) == 10_000
+
+
+def test_an_empty_report_key_is_no_report(tmp_path):
+    # `report:` with nothing after it (YAML null) was "Protocol.report must be str, got None".
+    assert load_protocol(write_protocol(tmp_path / "p.yaml", report=None)).report == ""
 
 
 def test_a_protocol_name_may_hold_an_underscore(tmp_path):
@@ -581,6 +628,10 @@ def test_an_override_beaten_by_a_fixed_dotted_key_is_refused(tmp_path):
     ({"notebook": "adir"}, r"notebook .*adir is a directory; give the notebook \(.ipynb\)"),
     ({"report": "adir/nope.ipynb"}, r"Protocol.report='adir/nope.ipynb' \(.*nope.ipynb\) does "
                                     r"not exist; notebooks in .*adir: none \(or leave the key"),
+    # no analysis notebook: found by `lab report` only, after the whole sweep
+    ({"report": str(TRAIN)}, r"Protocol.report: .*01-train-conv.ipynb is not an analysis "
+                             r"notebook: it does not declare the 'protocol' parameter"),
+    ({"report": "afile"}, r"Protocol.report: .*afile cannot be read as a Jupyter notebook"),
 ])
 def test_blank_and_misplaced_paths_are_refused_at_load(tmp_path, monkeypatch, capsys, fields,
                                                        message):
