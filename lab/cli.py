@@ -164,6 +164,20 @@ def _replace(force: bool) -> str:
     return "always" if force else "never"
 
 
+def _check_run_dir(out) -> ConfigError | None:
+    """``runlock.check_run_dir`` for --out; a directory that cannot be written but holds a
+    finished run is returned, not raised: the same parameters there need no write ("nothing
+    to do"), anything else raises it then."""
+    try:
+        runlock.check_run_dir(out, "--out")
+    except ConfigError as err:
+        here = Path(out)
+        if not (here.is_dir() and runlock.inspect(here).status in runlock.FINISHED):
+            raise
+        return err
+    return None
+
+
 def _train(args) -> int:
 
     from .config import from_dict
@@ -174,11 +188,13 @@ def _train(args) -> int:
     out = Path(args.out).resolve()
     try:
         config = from_dict(ConvConfig, apply_params({}, collect_params(args.param, args.file)))
-        runlock.check_run_dir(args.out, "--out")  # (the text: a blank --out is refused)
+        unwritable = _check_run_dir(args.out)  # (the text: a blank --out is refused)
         # With the kind, a run another trainer made is refused in one line, not a diff of
         # every field.
         resolved = Resolved({}, as_dict(config), full=True, kind=ConvConfig.KIND)
         decision, state = decide(out, resolved, _replace(args.force), maker="`lab train`")
+        if unwritable is not None and decision != "done":
+            raise unwritable
         if decision != "done":  # after decide: a refused run reads (and caches) no data
             config.preflight()
     except ConfigError as exc:
@@ -212,9 +228,10 @@ def _run(args) -> int:
     from .notebook import NotebookError, RunConflict, execute
     from .runlock import RunLocked
 
+    unwritable = None
     try:
         params = collect_params(args.param, args.file)
-        runlock.check_run_dir(args.out, "--out")
+        unwritable = _check_run_dir(args.out)
         result = execute(args.notebook, args.out, params, replace=_replace(args.force))
     except KeyboardInterrupt:
         return _interrupted(args.out)
@@ -224,6 +241,8 @@ def _run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the machine, not a parameter (those are checked first): exit 1
+        if unwritable is not None:  # a finished run there, and these parameters must write
+            return _error(unwritable)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if result.skipped:

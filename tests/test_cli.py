@@ -882,6 +882,30 @@ def test_report_checks_the_protocols_own_runs_however_runs_is_spelled(tmp_path, 
     assert not (tmp_path / "rep").exists()
 
 
+def test_a_finished_run_on_a_read_only_disk_is_nothing_to_do(tmp_path, capsys, monkeypatch):
+    # A complete run on a read-only mount: the same command said "not writable" (exit 2),
+    # though it needs no write. Other parameters or --force still need one: refused.
+    args = ["train", "--out", str(tmp_path / "r"), "-p", "dataset", "mnist1d", "-p", "n_train",
+            "256", "-p", "depth", "8", "-p", "width", "4", "-p", "epochs", "1", "-p",
+            "schedule", "constant", "-p", "progress", "false"]
+    assert cli_main(args) == 0
+    capsys.readouterr()
+
+    def read_only(out, name, purpose="the run"):
+        raise ConfigError(f"{name} {out}: nothing can be written in the run directory: "
+                          "[Errno 30] Read-only file system")
+
+    monkeypatch.setattr(runlock, "check_writable_dir", read_only)
+    assert cli_main(args) == 0
+    assert "r: already complete with these parameters; nothing to do" in capsys.readouterr().out
+    assert cli_main(args + ["--force"]) == 2
+    assert "Read-only file system" in capsys.readouterr().err
+    assert cli_main(args + ["-p", "lr", "0.2"]) == 2
+    assert "with other parameters (lr: " in capsys.readouterr().err
+    assert cli_main(["run", str(TRAIN), "--out", str(tmp_path / "new")]) == 2
+    assert "Read-only file system" in capsys.readouterr().err
+
+
 def test_report_before_any_run_is_refused_at_once(tmp_path, capsys):
     # It started a kernel (16 s) to list every run as missing, and left a failed report.
     path = _reported_protocol(tmp_path, [0, 1])
