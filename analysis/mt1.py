@@ -112,8 +112,10 @@ def populations_covered(data) -> pd.DataFrame:
 def _table(data) -> pd.DataFrame:
     table = data.table()
     if CONDITION not in table:
+        fixed = (f" ({CONDITION} is fixed here: give it as a grid key, a one-value list "
+                 "selects one condition)" if CONDITION in data.protocol.fixed else "")
         raise ValueError(f"MT-1 needs the grid key {CONDITION!r}; this protocol's grid has "
-                         f"{', '.join(sorted(data.protocol.grid))}")
+                         f"{', '.join(sorted(data.protocol.grid))}{fixed}")
     # Every table and figure here is per condition, averaged over seeds: another grid key
     # (a weight decay, a traffic ratio) would be averaged in silently, and its points
     # counted as seeds. One setting per protocol, or analysis.summarize over all keys.

@@ -102,7 +102,8 @@ def _type_hint(value: Any, annotation: Any) -> str:
     if not isinstance(value, str):
         return ""
     if _accepts(annotation, bool) and value.strip().lower() in _BOOL_WORDS:
-        return "; write true or false (only those are booleans in a parameter or -p value)"
+        return ("; write true or false (only those are booleans in a parameter or -p value; "
+                "papermill's own -p takes True or False)")
     if _accepts(annotation, tuple):
         return "; give a YAML list such as [1, 5, 20]"
     return ""

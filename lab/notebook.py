@@ -50,7 +50,9 @@ import importlib
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -569,11 +571,31 @@ def _kernel_manager_class():
     from jupyter_client.manager import AsyncKernelManager
 
     class BoundKernelManager(AsyncKernelManager):
-        """Starts the kernel through ``_LAUNCHER``, so it dies with its parent."""
+        """Starts the kernel through ``_LAUNCHER``, so it dies with its parent, and talks
+        to it over Unix sockets in a directory of its own, not TCP ports.
+
+        Why not TCP: jupyter_client picks free ports by binding and releasing them, and
+        the kernel binds them a moment later; in between, any process's outgoing
+        connection (a Dask cluster makes many) may take one as its source port. The
+        kernel then dies with "Address already in use" and the run fails after a 60 s
+        wait (seen in a sweep test under load). A socket file cannot be taken that way.
+        The directory is short (socket paths are limited to about 107 bytes) and is
+        removed with the kernel's other files."""
+
+        def __init__(self, **kwargs):
+            self._socket_dir = tempfile.mkdtemp(prefix="lab-kernel-")
+            kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("ip", os.path.join(self._socket_dir, "k"))
+            super().__init__(**kwargs)
 
         def format_kernel_cmd(self, extra_arguments=None):
             cmd = super().format_kernel_cmd(extra_arguments)
             return [sys.executable, "-c", _LAUNCHER, *cmd]
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart)
+            if not restart:
+                shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     return BoundKernelManager
 

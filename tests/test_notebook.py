@@ -731,3 +731,29 @@ def test_a_kernel_that_dies_before_starting_is_started_again(tmp_path, monkeypat
     outcome["error"] = ValueError("asked to fail")  # a cell's error: one try
     assert "asked to fail" in lab.notebook._papermill(nb, target, {}, None, False)
     assert len(calls) == 1
+
+
+def test_kernels_talk_over_unix_sockets_that_go_with_them():
+    # TCP ports chosen free could be taken by another process's connection before the
+    # kernel bound them ("Address already in use"; the run failed after 60 s, in a sweep).
+    import asyncio
+
+    from lab.notebook import _kernel_manager_class
+
+    km = _kernel_manager_class()(kernel_name="python3")
+    assert km.transport == "ipc" and km.ip.startswith(km._socket_dir)
+    assert len(km.ip) + len("-65535") < 100  # under the ~107-byte limit of a socket path
+
+    async def start_and_stop():
+        await km.start_kernel()
+        info = km.get_connection_info()
+        assert (info["transport"], info["ip"]) == ("ipc", km.ip)
+        client = km.client()
+        client.start_channels()
+        await client.wait_for_ready(timeout=60)  # it answers over those sockets
+        assert any(p.name.startswith("k-") for p in Path(km._socket_dir).iterdir())
+        client.stop_channels()
+        await km.shutdown_kernel(now=True)
+
+    asyncio.run(start_and_stop())
+    assert not Path(km._socket_dir).exists()
