@@ -34,7 +34,7 @@ from lab import records
 from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
 
 from .checks import path_like
-from .completeness import check_complete
+from .completeness import IncompleteProtocolError, check_complete
 
 
 @dataclass
@@ -65,9 +65,30 @@ class ProtocolRuns:
         return _text_keys(self.protocol.grid)
 
     def check_complete(self, row_metrics=(), final_metrics=(), undefined=()) -> None:
-        """:func:`analysis.completeness.check_complete` for this protocol's expected runs."""
+        """:func:`analysis.completeness.check_complete` for this protocol's expected runs.
+
+        When ``runs_dir`` holds none of them, that is said first: "rerun the sweep" would
+        not help where the directory is another protocol's, or not where the sweep writes."""
+        if self.specs and not set(self.expected_ids) & set(self.runs["run_id"]):
+            self._refuse_foreign_dir()
         check_complete(self.runs, self.metrics, self.expected_ids, row_metrics, final_metrics,
                        undefined)
+
+    def _refuse_foreign_dir(self) -> None:
+        n = len(self.specs)
+        held = sorted(p.parent.name for p in self.runs_dir.glob(f"*/{records.RECORD_FILE}"))
+        holds = (f"it holds {len(held)} other run(s), e.g. {', '.join(held[:3])}: another "
+                 "protocol's runs?" if held else "it holds no runs")
+        out = Path(self.protocol.out)
+        where = (f"run `lab sweep {self.protocol.source}` first (it writes to {out})"
+                 if self.runs_dir.resolve() == out.resolve() else
+                 f"the protocol's sweep writes its runs to its out, {out}: leave runs_dir "
+                 "empty to read them there")
+        problem = f"{n} of {n} runs missing: {', '.join(self.expected_ids[:8])}" + (
+            f" and {n - 8} more" if n > 8 else "")
+        raise IncompleteProtocolError(
+            f"incomplete data: none of the {n} expected runs of protocol "
+            f"{self.protocol.name!r} is in {self.runs_dir} ({holds}); {where}", [problem])
 
     def table(self) -> pd.DataFrame:
         """One row per expected run: run_id, its grid values (dict values of one shape

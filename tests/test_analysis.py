@@ -121,7 +121,25 @@ def test_unreadable_runs_are_listed_under_one_header(fixture_copy):
 def test_missing_runs_directory_lists_every_run(fixture_copy):
     shutil.rmtree(fixture_copy / "runs")
     data = load_protocol_runs(fixture_copy / "protocol.yaml")
-    with pytest.raises(IncompleteProtocolError, match=r"4 of 4 runs missing"):
+    with pytest.raises(IncompleteProtocolError, match=r"none of the 4 expected runs of protocol "
+                                                      r"'fixture' is in .*runs \(it holds no "
+                                                      r"runs\); run `lab sweep .*protocol.yaml` "
+                                                      r"first") as err:
+        data.check_complete(TRAJECTORY, FINAL)
+    assert err.value.problems[0].startswith("4 of 4 runs missing: ")
+
+
+def test_a_runs_dir_of_another_protocol_is_said_to_be_one(fixture_copy, tmp_path):
+    # It advised "rerun the sweep to fill the gaps", which writes to the protocol's out,
+    # never to that runs_dir.
+    other = tmp_path / "other"
+    record = records.new_record(run_id="rule-bp_seed-0", kind="conv", config={})
+    records.save_run(other / "rule-bp_seed-0", record)
+    data = load_protocol_runs(fixture_copy / "protocol.yaml", other)
+    with pytest.raises(IncompleteProtocolError, match=(
+            rf"none of the 4 expected runs of protocol 'fixture' is in {re.escape(str(other))} "
+            r"\(it holds 1 other run\(s\), e.g. rule-bp_seed-0: another protocol's runs\?\); "
+            r"the protocol's sweep writes its runs to its out, .*runs: leave runs_dir empty")):
         data.check_complete(TRAJECTORY, FINAL)
 
 
