@@ -34,7 +34,7 @@ from lab import records
 from lab.sweep import SEED_KEY, Protocol, RunSpec, expand, load_protocol, mark_stale
 
 from .checks import path_like
-from .completeness import IncompleteProtocolError, check_complete
+from .completeness import IncompleteProtocolError, check_complete, find_problems
 
 
 @dataclass
@@ -84,11 +84,10 @@ class ProtocolRuns:
                  if self.runs_dir.resolve() == out.resolve() else
                  f"the protocol's sweep writes its runs to its out, {out}: leave runs_dir "
                  "empty to read them there")
-        problem = f"{n} of {n} runs missing: {', '.join(self.expected_ids[:8])}" + (
-            f" and {n - 8} more" if n > 8 else "")
         raise IncompleteProtocolError(
             f"incomplete data: none of the {n} expected runs of protocol "
-            f"{self.protocol.name!r} is in {self.runs_dir} ({holds}); {where}", [problem])
+            f"{self.protocol.name!r} is in {self.runs_dir} ({holds}); {where}",
+            find_problems(self.runs, self.metrics, self.expected_ids))
 
     def table(self) -> pd.DataFrame:
         """One row per expected run: run_id, its grid values (dict values of one shape

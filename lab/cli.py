@@ -40,7 +40,14 @@ from typing import TYPE_CHECKING
 import yaml
 
 from . import runlock
-from .config import ConfigError, DuplicateKeyError, as_dict, load_yaml, read_yaml_mapping
+from .config import (
+    ConfigError,
+    DuplicateKeyError,
+    as_dict,
+    dotted_parent,
+    load_yaml,
+    read_yaml_mapping,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -101,7 +108,7 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
     for where, layer in layers:
         for key in layer:
             # `-p a '{b: 1}' -p a.b 2`: a.b given twice, once inside a's dict
-            parent = next((p for p in layer if key.startswith(p + ".")), None)
+            parent = dotted_parent(key, layer)
             if parent is not None:
                 shown = given.get(parent, layer[parent])
                 raise ConfigError(f"{key} (given {where}) sets a key inside {parent}, which "

@@ -120,6 +120,12 @@ def _interval(lo, hi, lo_open, hi_open) -> str:
     return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
 
 
+def dotted_parent(key: str, keys) -> str | None:
+    """The key among ``keys`` that the dotted ``key`` sets a leaf inside ("a" for "a.b"),
+    or None: a dict parameter given whole and by a dotted key in one place."""
+    return next((p for p in keys if key.startswith(p + ".")), None)
+
+
 class DuplicateKeyError(yaml.constructor.ConstructorError):
     """A key given twice in one YAML mapping (PyYAML would keep the last silently)."""
 

@@ -89,7 +89,14 @@ from typing import Any
 import yaml
 
 from . import records
-from .config import ConfigError, bounded, field_names, read_yaml_mapping, validate
+from .config import (
+    ConfigError,
+    bounded,
+    dotted_parent,
+    field_names,
+    read_yaml_mapping,
+    validate,
+)
 
 SEED_KEY = "seed"
 _UNSAFE = re.compile(r"[^A-Za-z0-9.=,+_-]+")  # outside a protocol name's characters
@@ -180,18 +187,18 @@ class Protocol:
         # dotted key's. (A leaf the dicts do not hold is a product of the two: allowed.)
         overridden = []
         for k in self.grid:
-            for g in self.grid:
-                holding = [v for v in self.grid[g] if k.startswith(g + ".")
-                           and _holds(v, k[len(g) + 1:])]
-                if holding:
-                    overridden.append(f"{k} (inside grid key {g}, whose value {holding[0]!r} "
-                                      "sets it)")
+            g = dotted_parent(k, self.grid)
+            holding = [v for v in self.grid[g] if _holds(v, k[len(g) + 1:])] if g else []
+            if holding:
+                overridden.append(f"{k} (inside grid key {g}, whose value {holding[0]!r} "
+                                  "sets it)")
         if overridden:
             raise ProtocolError(f"Protocol.grid {', '.join(overridden)} would override that "
                                 "leaf of the other key's values, which the run ids would still "
                                 "name; vary the leaf in one of the two keys only")
         _check_whole_and_dotted("Protocol.fixed", self.fixed)
         self._check_overrides()
+        self._check_override_clashes()
         self._check_paths()
         self._check_threads()
         from .notebook import RESERVED  # parameters a sweep sets itself
@@ -245,8 +252,6 @@ class Protocol:
                         "the override's value of that leaf would never apply; in the override, "
                         "set the leaf as the same dotted key (it then wins), or in fixed, give "
                         "the whole dict instead of the dotted key")
-
-        self._check_override_clashes()
 
     def _check_override_clashes(self) -> None:
         # Two grid keys' tables that set one parameter differently meet in every run that has
@@ -319,7 +324,7 @@ def _check_whole_and_dotted(where: str, mapping: dict) -> None:
     """Refuse a dict parameter given whole and by a dotted key inside it in one mapping
     (as ``-p`` refuses it): the dotted key would win without a word."""
     for key in mapping:
-        parent = next((p for p in mapping if key.startswith(p + ".")), None)
+        parent = dotted_parent(key, mapping)
         if parent is not None:
             raise ProtocolError(f"{where} sets {key}, a key inside {parent}, which it also "
                                 f"gives whole ({mapping[parent]!r}); give either the whole "
