@@ -18,7 +18,7 @@ import pandas as pd
 from lab import records
 
 from .checks import check_group_keys, config_twins, listing, summary_for, unrun_hint
-from .completeness import IncompleteProtocolError, find_problems
+from .completeness import IncompleteProtocolError, advice, find_problems
 from .figures import NotebookFigure as Figure
 from .figures import check_tables, style_axes
 
@@ -109,12 +109,16 @@ def check_rules_complete(data) -> None:
     problems = list(dict.fromkeys(problems + alignment + infinite))
     if problems:
         lines = "\n".join(f"  - {line}" for line in problems)
-        hint = ("\nThe rule comparison reports alignment with backprop at each run's last "
+        # A rerun does not fill missing alignment (the config does not measure it): the
+        # general advice covers the other lines. Advice before the list, where a long
+        # list of gaps cannot hide it.
+        gaps = [p for p in problems if p not in alignment]
+        hint = (" The rule comparison reports alignment with backprop at each run's last "
                 "epoch: run the protocol with alignment_every dividing epochs (alignment_every: "
                 "1 measures every epoch)." if alignment else "")
         raise IncompleteProtocolError(
             f"incomplete data: {len(problems)} problem(s) across {len(data.expected_ids)} "
-            f"expected runs (only complete data is summarised):\n{lines}{hint}", problems)
+            f"expected runs ({advice(gaps)}).{hint}\n{lines}", problems)
 
 
 def check_conv_runs(data, caller: str = "check_rules_complete") -> None:

@@ -566,6 +566,29 @@ os.execvp(sys.argv[1], sys.argv[1:])
 """
 
 
+_SOCKET_PREFIX = "lab-kernel-"
+
+
+def _remove_dead_socket_dirs() -> None:
+    """Remove the socket directories that killed processes left in the temp folder.
+
+    A process killed with SIGKILL cannot remove its kernel's socket directory, named
+    ``lab-kernel-<pid>-*`` after it; the next kernel started removes the ones of this
+    user whose process is gone. A pid reused since, or owned by another user, keeps
+    its directory (the cost: one empty directory)."""
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(f"{_SOCKET_PREFIX}*-*"):
+        pid = path.name[len(_SOCKET_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive under another user (EPERM), or the entry just went
+            continue
+
+
 @functools.cache
 def _kernel_manager_class():
     from jupyter_client.manager import AsyncKernelManager
@@ -583,7 +606,8 @@ def _kernel_manager_class():
         removed with the kernel's other files."""
 
         def __init__(self, **kwargs):
-            self._socket_dir = tempfile.mkdtemp(prefix="lab-kernel-")
+            _remove_dead_socket_dirs()
+            self._socket_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_PREFIX}{os.getpid()}-")
             kwargs.setdefault("transport", "ipc")
             kwargs.setdefault("ip", os.path.join(self._socket_dir, "k"))
             super().__init__(**kwargs)

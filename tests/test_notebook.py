@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -757,3 +758,22 @@ def test_kernels_talk_over_unix_sockets_that_go_with_them():
 
     asyncio.run(start_and_stop())
     assert not Path(km._socket_dir).exists()
+
+
+def test_socket_dirs_of_killed_processes_are_removed_by_the_next_kernel(tmp_path, monkeypatch):
+    # A SIGKILLed `lab run` cannot remove its kernel's socket directory; the next one does.
+    from lab.notebook import _kernel_manager_class
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / f"lab-kernel-{int(gone.stdout)}-abc123"
+    alive = tmp_path / f"lab-kernel-{os.getppid()}-def456"  # a living process's
+    other = tmp_path / "lab-kernel-xyz"  # not named after a pid: not ours to judge
+    for d in (dead, alive, other):
+        (d / "sub").mkdir(parents=True)
+    km = _kernel_manager_class()(kernel_name="python3")
+    assert not dead.exists()
+    assert alive.exists() and other.exists()
+    assert Path(km._socket_dir).parent == tmp_path
+    assert Path(km._socket_dir).name.startswith(f"lab-kernel-{os.getpid()}-")
