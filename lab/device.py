@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import platform
 import warnings
 
@@ -77,6 +78,26 @@ def set_threads(threads: int) -> int:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(owner: str, need: int, what: str, advice: str) -> None:
+    """ConfigError if ``need`` bytes (a lower bound: weights and their optimizer state,
+    the activations a step must hold) exceed this machine's memory. Found before a run
+    starts: a model that cannot fit otherwise dies in torch's allocator after the kernel
+    started ("can't allocate memory: you tried to allocate 452998790643712 bytes"), or
+    hangs while it is built, leaving a failed run behind."""
+    memory = memory_bytes()
+    if memory is not None and need > memory:
+        raise ConfigError(f"{owner}: {what} need at least {need / 2**30:.3g} GiB, more than "
+                          f"this machine's {memory / 2**30:.3g} GiB; {advice}")
 
 
 # glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts.

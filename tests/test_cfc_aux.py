@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -852,3 +853,34 @@ def test_a_vega_symbol_with_another_source_is_refused():
                        r"source='vega' \(source is 'synthetic'\); leave it at 'all'"):
         CfCAuxConfig(source="synthetic", symbol="IBM")
     assert CfCAuxConfig(source="vega", symbol="IBM").symbol == "IBM"
+
+
+@pytest.mark.parametrize("field, value", [("units", 10**9), ("batch_size", 10**9),
+                                          ("backbone_units", 10**9)])
+def test_a_model_larger_than_the_machine_is_refused_before_a_run_starts(
+        tmp_path, capsys, field, value):
+    # units=10**9 died in torch's allocator after the kernel started, leaving a failed run.
+    from lab.cli import main as cli_main
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "03-train-cfc-aux.ipynb"
+    config = CfCAuxConfig(**{field: value})
+    with pytest.raises(ConfigError, match=rf"^CfCAuxConfig: the encoder and trunks of .*"
+                       rf"{field}={value}.* need at least .* GiB, more than this machine's .* "
+                       r"GiB; give smaller sizes or batch_size$"):
+        config.preflight()
+    assert cli_main(["run", str(notebook), "--out", str(tmp_path / "r"),
+                     "-p", field, str(value), "-p", "steps", "2"]) == 2
+    assert "more than this machine's" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"aux": "none"},
+                                    {"mode": "pure", "units": 16, "backbone_units": 8}])
+def test_the_weight_floor_is_at_most_the_models_weights(kwargs):
+    config = CfCAuxConfig(steps=2, **kwargs)
+    run = build_run(config)
+    parts = (run.encoder, run.main, run.aux)
+    count = sum(p.numel() for part in parts if part is not None for p in part.parameters())
+    # A lower bound (default mode's heads hold four rows per unit, counted as one), but
+    # within a factor of three of the weights, so a memory check on it is no formality.
+    assert count / 3 <= config.weight_floor() <= count

@@ -198,6 +198,26 @@ def test_an_optimizer_factor_beyond_the_dtype_is_refused(cls, name, dtype):
         config_cls(**{name: 1e39}, **extra)
 
 
+@pytest.mark.parametrize("cls, name, by, extra", [
+    ("ConvConfig", "residual_scale", "model", {}),
+    ("EPConfig", "beta", "nudged phase", {}),
+    ("EPConfig", "beta_final", "nudged phase",
+     {"beta_schedule": "cosine", "beta": float(np.finfo(np.float32).max)})])
+def test_a_model_factor_beyond_the_dtype_is_refused(cls, name, by, extra):
+    # residual_scale=1e300 made the forward NaN and beta=1e300 overflowed the nudged phase:
+    # both started and diverged at their first step, after the kernel had started.
+    import lab.train
+
+    config_cls = getattr(lab.train, cls)
+    largest = float(np.finfo(np.float32).max)
+    assert getattr(config_cls(**{name: largest}, **extra), name) == largest  # the limit
+    with pytest.raises(ConfigError, match=rf"^{cls}\.{name}=1e\+300 overflows float32, the "
+                       rf"dtype the {by} applies it in \(largest 3\.40282e\+38\)"):
+        config_cls(**{**extra, name: 1e300})
+    wide = {**extra, "beta": 1e300} if "beta" in extra else extra  # (beta_final <= beta)
+    assert getattr(config_cls(**{**wide, name: 1e300}, dtype="float64"), name) == 1e300
+
+
 @pytest.mark.parametrize("cls, name, by", [
     ("ConvConfig", "lr", "optimizer"), ("ConvConfig", "weight_decay", "optimizer"),
     ("ConvConfig", "grad_clip", "optimizer"), ("ConvConfig", "residual_scale", "model"),

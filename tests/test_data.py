@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from lab.data import DATASETS, DataError, Dataset, Split, default_data_dir, load_dataset
+from lab.data import (
+    DATASETS,
+    DataError,
+    Dataset,
+    Split,
+    default_data_dir,
+    load_dataset,
+    train_size,
+)
 from lab.data import mnist1d as mnist1d_module
 from lab.data.augment import AUGMENTATIONS, augment, random_crop_flip, random_shift
 from lab.data.batches import iterate_batches, n_batches
@@ -266,6 +274,25 @@ def test_mnist1d_cache_round_trip(data_dir, fresh_mnist1d, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
     _forbid_generation(monkeypatch)
     _assert_same(load_dataset("mnist1d", data_dir=data_dir), fresh_mnist1d)
+
+
+def test_mnist1d_train_count_is_what_loads_and_generates_nothing(tmp_path, fresh_mnist1d,
+                                                                  monkeypatch):
+    # A run's pre-check counts the training set; a refused run wrote the cache (and made the
+    # directories) in the data_dir it was given.
+    assert len(fresh_mnist1d.train.y) + len(fresh_mnist1d.val.y) == mnist1d_module.TRAIN_EXAMPLES
+    _forbid_generation(monkeypatch)
+    new = tmp_path / "new"
+    assert mnist1d_module.train_count(new) == mnist1d_module.TRAIN_EXAMPLES
+    assert train_size("mnist1d", data_dir=new, val_fraction=0.25) == 3000
+    assert not new.exists()
+    path = mnist1d_module.cache_path(tmp_path)  # a cache is counted as it is
+    path.parent.mkdir(parents=True)
+    np.savez(path, x_train=np.zeros((7, 40)), y_train=np.zeros(7, dtype=np.int64),
+             x_test=np.zeros((2, 40)), y_test=np.zeros(2, dtype=np.int64))
+    assert mnist1d_module.train_count(tmp_path) == 7
+    path.write_bytes(b"damaged")  # load_arrays regenerates a damaged cache: its count
+    assert mnist1d_module.train_count(tmp_path) == mnist1d_module.TRAIN_EXAMPLES
 
 
 def test_mnist1d_damaged_cache_is_regenerated(tmp_path, fresh_mnist1d):

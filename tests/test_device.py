@@ -137,3 +137,16 @@ def test_lab_run_refuses_huge_threads_before_a_kernel_and_creates_nothing(
     assert cli_main(["run", str(path), "--out", str(tmp_path / "r"), "-p", "threads", "9"]) == 2
     assert "threads=9 is more than 4 x the 2 core(s)" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_check_fits_refuses_only_what_exceeds_the_memory(monkeypatch):
+    import lab.device
+    from lab.config import ConfigError
+
+    monkeypatch.setattr(lab.device, "memory_bytes", lambda: 3 * 2**30)
+    lab.device.check_fits("X", 3 * 2**30, "it", "smaller")  # exactly the memory: fits
+    with pytest.raises(ConfigError, match=r"^X: the model need at least 4 GiB, more than "
+                       r"this machine's 3 GiB; give less$"):
+        lab.device.check_fits("X", 4 * 2**30, "the model", "give less")
+    monkeypatch.setattr(lab.device, "memory_bytes", lambda: None)  # the OS does not say
+    lab.device.check_fits("X", 2**80, "it", "smaller")

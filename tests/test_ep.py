@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -984,3 +985,38 @@ def test_eval_batches_beyond_the_split_warn_once_and_the_bill_has_what_was_used(
         warnings.simplefilter("error")
         build_ep(dataclasses.replace(config, eval_batches=0))
         build_ep(_tiny(eval_batches=2))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("d_model", 2**40), ("batch_size", 10**11), ("n_layers", 10**6), ("mlp_ratio", 10**9)])
+def test_a_model_larger_than_the_machine_is_refused_before_a_run_starts(
+        tmp_path, capsys, field, value):
+    # d_model=2**40 died in torch's allocator after the kernel started, leaving a failed run.
+    from lab.cli import main as cli_main
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "02-train-ep-transformer.ipynb"
+    extra = {"n_heads": 1} if field == "d_model" else {}
+    config = EPConfig(**{field: value}, **extra)
+    with pytest.raises(ConfigError, match=rf"^EPConfig: a transformer of .*{field}={value}.* "
+                       r"need at least .* GiB, more than this machine's .* GiB; give a "
+                       r"smaller model, batch_size or seq_len$"):
+        config.preflight()
+    args = [a for k, v in {field: value, **extra, "steps": 2, "warmup_steps": 0}.items()
+            for a in ("-p", k, str(v))]
+    assert cli_main(["run", str(notebook), "--out",
+                     str(tmp_path / "r"), *args]) == 2
+    assert "more than this machine's" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"d_model": 32, "n_layers": 2, "mlp_ratio": 2}])
+def test_the_weight_floor_is_at_most_the_models_weights(kwargs):
+    config = EPConfig(**kwargs)
+    model = Transformer(10, config.seq_len, config.d_model, config.n_layers, config.n_heads,
+                        config.mlp_ratio)
+    count = sum(p.numel() for p in model.parameters())
+    # A lower bound, and a tight one: what it leaves out is exactly the biases and norms
+    # ((9 + mlp_ratio) d_model per block, 2 d_model for the last norm) and the
+    # 10-character vocabulary's embedding and read-out.
+    D, L, m = config.d_model, config.n_layers, config.mlp_ratio
+    assert count - config.weight_floor() == L * (9 + m) * D + 2 * D + 2 * 10 * D + 10

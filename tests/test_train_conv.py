@@ -741,6 +741,17 @@ def test_the_weight_count_is_the_built_models(depth, width, dataset):
                                spec.n_classes) == built
 
 
+def test_a_refused_run_writes_nothing_into_a_data_dir_it_was_given(tmp_path, capsys):
+    # The pre-check counted MNIST-1D's training set by generating it, and cached it (with
+    # the directories) in the data_dir of a run it then refused.
+    data = tmp_path / "newdata"
+    assert cli_main(["train", "--out", str(tmp_path / "r"), "-p", "data_dir", str(data),
+                     "-p", "alignment_every", "1", "-p", "alignment_batch", "100000"]) == 2
+    assert "ConvConfig.alignment_batch=100000 but the training set has only 3600 examples" \
+        in capsys.readouterr().err
+    assert not data.exists() and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("field, value", [("width", 2**63 - 1), ("depth", 999999998)])
 def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(
         tmp_path, capsys, field, value):
@@ -748,9 +759,9 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(
     # depth=999999998 hung while the model was built.
     config = ConvConfig(**{field: value}, epochs=1)
     with pytest.raises(ConfigError, match=rf"^ConvConfig: a ResNet-{config.depth} of width "
-                       rf"{config.width} on mnist1d has .* weights: with their gradients, "
-                       r"momentum and feedback about .* GiB in float32, more than this "
-                       r"machine's .* GiB; give a smaller depth or width"):
+                       rf"{config.width} on mnist1d has .* weights, which with their gradients, "
+                       r"momentum and feedback in float32 need at least .* GiB, more than "
+                       r"this machine's .* GiB; give a smaller depth or width"):
         config.preflight()
     assert cli_main(["train", "--out", str(tmp_path / "r"), "-p", field, str(value),
                      "-p", "epochs", "1"]) == 2

@@ -28,12 +28,15 @@ import torch
 
 from lab.data import DataError
 
-__all__ = ["DEFAULT_SEED", "cache_path", "fit_scaler", "generate", "load_arrays"]
+__all__ = ["DEFAULT_SEED", "TRAIN_EXAMPLES", "cache_path", "fit_scaler", "generate",
+           "load_arrays", "train_count"]
 
 DEFAULT_SEED = 42  # the mnist1d package's own default, so our data matches the paper's
 _KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# What generate() gives with the package defaults (a test holds the two together).
+TRAIN_EXAMPLES = 4000
 
 
 def load_arrays(data_dir: Path, seed: int = DEFAULT_SEED) -> Arrays:
@@ -45,6 +48,20 @@ def load_arrays(data_dir: Path, seed: int = DEFAULT_SEED) -> Arrays:
         _write_cache(path, arrays)
     x_train, y_train, x_test, y_test = arrays
     return x_train[:, None, :], y_train, x_test[:, None, :], y_test  # (N, 1, L): one channel
+
+
+def train_count(data_dir: Path, seed: int = DEFAULT_SEED) -> int:
+    """How many training examples ``load_arrays`` gives, generating and writing nothing: the
+    cache's count, else the generator's. A run's pre-check asks this, and a refused run
+    must leave no cache (nor the directories for one) in a data_dir it was given."""
+    path = cache_path(data_dir, seed)
+    if path.exists():
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                return len(npz["y_train"])
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            pass  # damaged: load_arrays regenerates it, with a warning
+    return TRAIN_EXAMPLES
 
 
 def fit_scaler(x_train: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:

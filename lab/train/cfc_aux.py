@@ -71,7 +71,14 @@ from ..data.prices import (
     vega_identity,
     vega_prices,
 )
-from ..device import check_threads, configure_process, resolve_device, seeded, sync
+from ..device import (
+    check_fits,
+    check_threads,
+    configure_process,
+    resolve_device,
+    seeded,
+    sync,
+)
 from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
 from ..models.cfc import ACTIVATIONS, MODES, CfC
 
@@ -174,12 +181,33 @@ class CfCAuxConfig:
                               f"source='vega' (source is {self.source!r}); leave it at "
                               f"{DEFAULT_SYMBOL!r} or set source='vega'")
 
+    def weight_floor(self) -> int:
+        """At most the weight count: the encoder's matrices, each trunk's backbone matrix
+        and one head row per state unit (the aux trunk only with an aux path)."""
+        E, K = self.enc_dim, self.backbone_units
+        trunks = (self.units,) + ((self.aux_units,) if self.aux != "none" else ())
+        return self.window * E + E * E + sum((E + H) * K + K * H for H in trunks)
+
+    def _check_model_fits(self) -> None:
+        """ConfigError if the two trunks cannot fit in memory (units=10**9 died in torch's
+        allocator after the kernel started). A lower bound, float32: the encoder, each
+        trunk's backbone (its input and state in, backbone_units out) and one head per
+        state unit, with their gradients; one step's encoded sequence, states and
+        backbone outputs kept for backward; the Adam moments left out."""
+        E, U, A, K = self.enc_dim, self.units, self.aux_units, self.backbone_units
+        kept = self.batch_size * self.seq_len * (E + U + A + 2 * K)
+        check_fits("CfCAuxConfig", (2 * self.weight_floor() + kept) * 4,
+                   f"the encoder and trunks of units={U}, aux_units={A}, backbone_units={K}, "
+                   f"enc_dim={E}, with one step of batch_size={self.batch_size} sequences of "
+                   f"seq_len={self.seq_len},", "give smaller sizes or batch_size")
+
     def preflight(self) -> None:
         """What the price series decides, before a run starts (``lab run``, a sweep's
         pre-check, ``train_cfc_aux``): a readable CSV with the column, long enough for the
         window, sequence and horizons in both splits; and a device this machine has."""
         resolve_device(self.device)
         check_threads(self.threads)
+        self._check_model_fits()
         # Here, not at construction: a config naming a file that exists only where its runs
         # were made (a cluster) still builds, so `lab runs` can list those runs.
         if self.source == "csv" and not Path(self.csv_path).is_file():

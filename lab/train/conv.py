@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,7 +42,14 @@ from ..data import DATA_SPECS, DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
 from ..data.identity import absolute
-from ..device import check_threads, configure_process, resolve_device, seeded, sync
+from ..device import (
+    check_fits,
+    check_threads,
+    configure_process,
+    resolve_device,
+    seeded,
+    sync,
+)
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
 from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
@@ -117,6 +123,7 @@ class ConvConfig:
         check_not_below_dtype(self, ("lr", "weight_decay", "grad_clip"), self.dtype,
                               by="optimizer")
         check_not_below_dtype(self, ("residual_scale",), self.dtype)
+        check_in_dtype(self, ("residual_scale",), self.dtype, by="model")
         if (self.depth - 2) % 6:
             raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
                               "(8, 14, 20, 32, 44, 56, 110)")
@@ -153,15 +160,11 @@ class ConvConfig:
         spec = DATA_SPECS[self.dataset]
         weights = ResNet.weight_count(self.depth, self.width, spec.dims, spec.in_channels,
                                       spec.n_classes)
-        need = 4 * weights * torch.finfo(getattr(torch, self.dtype)).bits // 8
-        memory = _memory_bytes()
-        if memory is not None and need > memory:
-            raise ConfigError(
-                f"ConvConfig: a ResNet-{self.depth} of width {self.width} on {self.dataset} has "
-                f"{weights:.3g} weights: with their gradients, momentum and feedback about "
-                f"{need / 2**30:.3g} GiB in {self.dtype}, more than this machine's "
-                f"{memory / 2**30:.3g} GiB; give a smaller depth or width (ResNet-20: "
-                "depth 20, width 16)")
+        check_fits("ConvConfig", 4 * weights * torch.finfo(getattr(torch, self.dtype)).bits // 8,
+                   f"a ResNet-{self.depth} of width {self.width} on {self.dataset} has "
+                   f"{weights:.3g} weights, which with their gradients, momentum and feedback in "
+                   f"{self.dtype}", "give a smaller depth or width (ResNet-20: depth 20, "
+                   "width 16)")
 
     def preflight(self) -> None:
         """What the data decides, checked before a run starts (``lab run``, ``lab train``
@@ -192,14 +195,6 @@ class ConvConfig:
                 f"steps; this run has {steps} (epochs={self.epochs} x ceil({available} "
                 f"training examples / batch_size={self.batch_size})); use schedule='constant' "
                 "or 'cosine', more epochs or a smaller batch_size")
-
-
-def _memory_bytes() -> int | None:
-    """This machine's memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _evaluate(model, split, batch_size) -> tuple[float, float]:

@@ -88,7 +88,14 @@ from ..data.text import (
     sample_batch,
     text_identity,
 )
-from ..device import check_threads, configure_process, resolve_device, seeded, sync
+from ..device import (
+    check_fits,
+    check_threads,
+    configure_process,
+    resolve_device,
+    seeded,
+    sync,
+)
 from ..models.transformer import Transformer, language_model_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -161,12 +168,33 @@ class EPConfig:
                               f"steps={self.steps}: the learning rate would still be warming up "
                               "when the run ends; use warmup_steps <= steps")
 
+    def weight_floor(self) -> int:
+        """At most the model's weight count: its blocks' matrices and the positions."""
+        return self.n_layers * (4 + 2 * self.mlp_ratio) * self.d_model ** 2 \
+            + self.seq_len * self.d_model
+
+    def _check_model_fits(self) -> None:
+        """ConfigError if the model and its twin cannot fit in memory (d_model=2**40 died
+        in torch's allocator after the kernel started). A lower bound: the blocks' weights
+        (4 + 2 mlp_ratio) d_model^2 per layer and the positions, for both models with their
+        gradients; one step's free and nudged states, one layer's attention scores and MLP
+        hidden units; the vocabulary and the optimizer's moments left out."""
+        B, T, D, L = self.batch_size, self.seq_len, self.d_model, self.n_layers
+        elements = 4 * self.weight_floor() + 2 * B * T * D * L + B * self.n_heads * T * T \
+            + B * T * D * self.mlp_ratio
+        check_fits("EPConfig", elements * torch.finfo(DTYPES[self.dtype]).bits // 8,
+                   f"a transformer of n_layers={L}, d_model={D}, mlp_ratio={self.mlp_ratio} "
+                   f"and its backprop twin, with one step of batch_size={B} windows of "
+                   f"seq_len={T}, in {self.dtype},",
+                   "give a smaller model, batch_size or seq_len")
+
     def preflight(self) -> None:
         """What the text decides, before a run starts (``lab run``, a sweep's pre-check,
         ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits; and a
         device this machine has."""
         resolve_device(self.device)
         check_threads(self.threads)
+        self._check_model_fits()
         # Here, not at construction: see CfCAuxConfig.preflight.
         if self.text_path and not Path(self.text_path).is_file():
             raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
@@ -184,6 +212,8 @@ def _check_beta(config: EPConfig) -> None:
     # it E / (n beta) turns into NaN. The governor cannot catch that: zero drift looks clean.
     eps = float(torch.finfo(DTYPES[config.dtype]).eps)
     names = ("beta", "beta_final") if config.beta_schedule == "cosine" else ("beta",)
+    # Far above the dtype's range the nudged phase overflows at its first step.
+    check_in_dtype(config, names, config.dtype, by="nudged phase")
     for name in names:
         value = getattr(config, name)
         if value < eps:
