@@ -183,6 +183,16 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
         try:
             runs = records.load_runs(run_dir)
             runs = runs[[Path(p).resolve() == run_dir.resolve() for p in runs["path"]]]
+            if len(runs) and runs["run_id"].iat[0] != run_dir.name:
+                # A run copied or renamed into place: read under its own id, it made the
+                # expected run "missing" and its namesake "stale" (and a --force rerun would
+                # have replaced a good run).
+                problems.append((run_dir / records.RECORD_FILE, (
+                    f"{run_dir}: its record's run_id is {runs['run_id'].iat[0]!r}, not "
+                    f"{run_dir.name!r}, the run the protocol expects in this directory (a "
+                    "run copied or renamed into place?): move it to a directory named after "
+                    "its run_id, or replace it (`lab sweep --force`)")))
+                continue
             run_frames.append(runs)
             metric_frames.append(records.load_metrics(run_dir))
         except records.RecordError as err:

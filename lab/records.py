@@ -93,6 +93,7 @@ PART_SUFFIX = ".jsonl"
 TIDY_COLUMNS = ("run_id", "axis", "index", "metric", "value")
 RUN_COLUMNS = ("run_id", "path", "kind", "status", "axis", "n_rows", "n_epochs", "error",
                "expect")
+_EMPTY_RUN_DTYPES = {"n_rows": "int64", "n_epochs": "int64", "error": object, "expect": object}
 _TIDY_DTYPES = {"run_id": str, "axis": str, "index": "int64", "metric": str, "value": "float64"}
 PACKAGES = ("lab", "torch", "numpy", "pandas", "numba", "papermill", "dask")
 
@@ -396,6 +397,43 @@ _V2_FIELDS = {
 ROW_KEYS = {"epoch": "trajectory", "step": "steps"}
 
 
+_EXPECT_KEYS = ("axis", "count", "stride", "metrics", "periodic", "final", "undefined")
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(n, str) and n for n in value)
+
+
+def _check_expect(expect: dict, path) -> None:
+    """The completeness declaration (``lab.lifecycle.Expectation.as_dict``), field by field:
+    every reader indexes it (a hand-edited one gave bare KeyErrors and TypeErrors in
+    ``lab runs``, ``load_runs`` and the completeness checks). ``stride``, ``metrics``,
+    ``periodic``, ``final`` and ``undefined`` may be absent (their defaults)."""
+    for key in expect:
+        if key not in _EXPECT_KEYS:
+            _fail(path, f"expect.{key}", "not a field of expect", f"the fields "
+                  f"{', '.join(_EXPECT_KEYS)} (lab.lifecycle.Expectation)")
+    for key, ok, allowed in (
+            ("axis", lambda v: v in AXES, f"one of {', '.join(AXES)}"),
+            ("count", lambda v: _is_int(v) and v >= 0, "a row count: an int >= 0")):
+        if key not in expect or not ok(expect[key]):
+            _fail(path, f"expect.{key}",
+                  _describe(expect[key]) if key in expect else "missing", allowed)
+    stride = expect.get("stride", 1)
+    if not _is_int(stride) or stride < 1:
+        _fail(path, "expect.stride", _describe(stride), "an int >= 1 (axis value per row)")
+    for key in ("metrics", "final", "undefined"):
+        if not _names(expect.get(key, [])):
+            _fail(path, f"expect.{key}", _describe(expect[key]),
+                  "a list of metric names (non-empty strings)")
+    for entry in expect.get("periodic", []) if isinstance(expect.get("periodic", []),
+                                                           list | tuple) else [None]:
+        if not (isinstance(entry, list | tuple) and len(entry) == 3 and _names(entry[:1])
+                and _is_int(entry[1]) and entry[1] >= 1 and _is_int(entry[2])):
+            _fail(path, "expect.periodic", _describe(expect["periodic"]),
+                  "a list of [metric name, every (an int >= 1), offset (an int)] entries")
+
+
 def _check_fields(record: dict, path) -> None:
     version = record.get("schema_version")
     if not _is_int(version) or version not in READABLE_VERSIONS:
@@ -423,6 +461,8 @@ def _check_fields(record: dict, path) -> None:
         except ValueError:
             _fail(path, key, _describe(record[key]), "an ISO-8601 timestamp string")
     if version == 2:
+        if record["expect"] is not None:
+            _check_expect(record["expect"], path)
         for axis, count in record["rows"].items():
             if axis not in AXES or not _is_int(count) or count < 0:
                 _fail(path, f"rows.{axis}", _describe(count),
@@ -569,11 +609,15 @@ def _fail_part(path: Path, found: str, expected: str):
 
 def _read_part(path: Path, start: int, end: int, record_path) -> list:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        rows = [decode_nonfinite(json.loads(line)) for line in lines]
+        text = path.read_text(encoding="utf-8")
+        rows = [decode_nonfinite(json.loads(line)) for line in text.splitlines()]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         _fail_part(path, f"unreadable text ({err})", "a part written by "
                    "lab.records.write_part (restore it, or replace the run: --force)")
+    if text and not text.endswith("\n"):  # cut short, as check_stored_rows (lab runs) finds
+        _fail_part(path, f"{text.count(chr(10))} complete lines ({len(text.encode())} bytes)",
+                   f"{end - start} rows, as its name says (truncated? restore it, or replace "
+                   "the run: --force)")
     if len(rows) != end - start:
         _fail_part(path, f"{len(rows)} rows", f"{end - start} rows, as its name says "
                    "(restore it, or replace the run: --force)")
@@ -832,6 +876,9 @@ def tidy_metrics(record) -> pd.DataFrame:
     Axis is "epoch", "step" or "final" (index -1); rows come from the record's
     ``trajectory`` / ``steps`` lists (see :func:`load_record`).
     """
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+        raise TypeError(f"tidy_metrics: record must be a run record (a dict with a run_id, "
+                        f"as load_record returns), got {_describe(record)}")
     run_id = record["run_id"]
     rows = []
     for axis, key in ROW_KEYS.items():
@@ -858,11 +905,11 @@ def _record_paths(root, include_old: bool = False) -> list[Path]:
                                         for part in p.relative_to(root).parts[:-1])]
 
 
-def _old_run_id(root, path: Path) -> dict:
-    """{"run_id": <its directory's name>} for a run moved aside by --force below ``root``
-    (it keeps the run_id of the run that replaced it), else {}."""
-    parts = Path(path).relative_to(root).parts[:-1]
-    return {"run_id": parts[-1]} if parts and MOVED_ASIDE.search(parts[-1]) else {}
+def _old_run_id(path: Path) -> dict:
+    """{"run_id": <its directory's name>} for a run moved aside by --force at or below
+    ``root`` (it keeps the run_id of the run that replaced it), else {}."""
+    name = Path(path).parent.name
+    return {"run_id": name} if MOVED_ASIDE.search(name) else {}
 
 
 def _distinct_run_ids(root, ids: list[tuple[Path, str]], caller: str) -> dict[Path, str]:
@@ -977,7 +1024,7 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     rows, problems = [], []
     for path in _record_paths(root, include_old):
         try:
-            row = _run_row(load_record(path, rows=False), path) | _old_run_id(root, path)
+            row = _run_row(load_record(path, rows=False), path) | _old_run_id(path)
             row["status"] = live_status(row["status"], row["path"])
             if row["status"] != "running":  # a live run may be replacing its parts
                 check_stored_rows(row["path"])  # a row store cut short: not "complete"
@@ -986,8 +1033,9 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
             problems.append((path, str(err)))
     if problems:
         _raise_collected(problems, "run records")
-    if not rows:
-        return pd.DataFrame(columns=list(RUN_COLUMNS))
+    if not rows:  # the dtypes a table with runs has (a concat with it keeps its ints)
+        return pd.DataFrame({c: pd.Series(dtype=_EMPTY_RUN_DTYPES.get(c, str))
+                             for c in RUN_COLUMNS})
     apart = _distinct_run_ids(root, [(Path(row["path"]) / RECORD_FILE, row["run_id"])
                                      for row in rows], "load_runs")
     for row in rows:
@@ -1036,6 +1084,7 @@ def _v1_metrics(record_path: Path, record: dict) -> pd.DataFrame:
 
 def run_metrics(record_path) -> pd.DataFrame:
     """One run's tidy metrics (its row store and final metrics; version 1: its record)."""
+    _check_path_arg(record_path, "run_metrics", "record_path", _ONE_RUN)
     record_path = _record_path(record_path)
     record = _read_record(record_path)
     if record["schema_version"] == 1:
@@ -1056,7 +1105,7 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     frames, problems, ids = [], [], []
     for path in _record_paths(root, include_old):
         try:
-            frame = run_metrics(path).assign(**_old_run_id(root, path))
+            frame = run_metrics(path).assign(**_old_run_id(path))
         except RecordError as err:
             problems.append((path, str(err)))
             continue
@@ -1065,7 +1114,7 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
         # merge of the two tables on run_id must find the same names (a twin that failed
         # before its first row left the other's curves under the old id, dropped there).
         ids.append((path, frame["run_id"].iat[0] if len(frame) else
-                    _old_run_id(root, path).get("run_id") or _read_record(path)["run_id"]))
+                    _old_run_id(path).get("run_id") or _read_record(path)["run_id"]))
     if problems:
         _raise_collected(problems, "runs' metrics")
     apart = _distinct_run_ids(root, ids, "load_metrics")

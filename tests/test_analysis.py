@@ -118,6 +118,23 @@ def test_unreadable_runs_are_listed_under_one_header(fixture_copy):
         "lr-0.05_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1"]
 
 
+def test_a_run_copied_into_another_runs_directory_is_named(fixture_copy):
+    # Read under its record's run_id, it made the run expected there "missing" and its
+    # namesake "stale", with advice to rerun with --force (which would replace a good run).
+    runs = fixture_copy / "runs"
+    there = runs / "lr-0.2_rule-bp_seed-1"
+    shutil.rmtree(there)
+    shutil.copytree(runs / "lr-0.2_rule-bp_seed-0", there)
+    with pytest.raises(records.RecordError) as err:
+        load_protocol_runs(fixture_copy / "protocol.yaml")
+    assert err.value.problems == [(there / "record.json", (
+        f"{there}: its record's run_id is 'lr-0.2_rule-bp_seed-0', not "
+        "'lr-0.2_rule-bp_seed-1', the run the protocol expects in this directory (a run "
+        "copied or renamed into place?): move it to a directory named after its run_id, or "
+        "replace it (`lab sweep --force`)"))]
+    assert str(err.value).startswith("1 run records could not be read")
+
+
 def test_missing_runs_directory_lists_every_run(fixture_copy):
     shutil.rmtree(fixture_copy / "runs")
     data = load_protocol_runs(fixture_copy / "protocol.yaml")

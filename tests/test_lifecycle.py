@@ -497,17 +497,18 @@ def test_a_diverging_backprop_twin_stops_the_ep_run(tmp_path):
 
 
 def test_a_non_finite_drift_stops_the_ep_run_with_beta_named(tmp_path):
-    # beta = 1e39 overflows float32 in the nudged phase: every drift was NaN, the governor
+    # beta = 1e39 overflowed float32 in the nudged phase: every drift was NaN, the governor
     # skipped all 30 steps and the run ended `complete`, which `lab report` then refused.
+    # (1e39 is now refused with the config; 3e38, inside float32, still overflows there.)
     from lab.train import EPConfig, train_ep
 
     config = EPConfig(d_model=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, steps=10,
                       warmup_steps=0, eval_every=5, eval_batches=2, cosine_every=5,
-                      checkpoint_every=5, threads=1, progress=False, beta=1e39)
+                      checkpoint_every=5, threads=1, progress=False, beta=3e38)
     record = train_ep(config, tmp_path / "ep")
     assert record["status"] == "diverged" and len(record["steps"]) == 1
     assert record["error"] == ("non-finite drift=nan at step 0: the nudged phase overflowed "
-                               "(is beta=1e+39 too large for dtype float32?)")
+                               "(is beta=3e+38 too large for dtype float32?)")
     policy = Divergence(finite_keys=("drift",))
     assert policy.check({"drift": 0.5}, None, "step 1") is None
     assert policy.check({"drift": math.inf}, None, "step 2") == "non-finite drift=inf at step 2"

@@ -258,6 +258,23 @@ CORRUPTIONS = {
     "config_list": (_record(_set(["config"], [1, 2])), "config"),
     "final_string": (_record(_set(["final", "test_acc"], "81%")), "final.test_acc"),
     "error_number": (_record(_set(["error"], 7)), "error"),
+    # A hand-edited completeness declaration gave bare KeyErrors / TypeErrors in every reader.
+    "expect_no_axis": (_record(_set(["expect"], {"count": 2})), "expect.axis"),
+    "expect_empty": (_record(_set(["expect"], {})), "expect.axis"),
+    "expect_axis_other": (_record(_set(["expect"], {"axis": "batch", "count": 2})),
+                          "expect.axis"),
+    "expect_count_string": (_record(_set(["expect"], {"axis": "epoch", "count": "2"})),
+                            "expect.count"),
+    "expect_stride_0": (_record(_set(["expect"], {"axis": "epoch", "count": 2, "stride": 0})),
+                        "expect.stride"),
+    "expect_metrics_string": (_record(_set(["expect"], {"axis": "epoch", "count": 2,
+                                                        "metrics": "train_loss"})),
+                              "expect.metrics"),
+    "expect_periodic_every_0": (_record(_set(["expect"], {"axis": "epoch", "count": 2,
+                                                          "periodic": [["alignment/", 0, 0]]})),
+                                "expect.periodic"),
+    "expect_unknown_key": (_record(_set(["expect"], {"axis": "epoch", "count": 2, "cnt": 2})),
+                           "expect.cnt"),
 }
 
 
@@ -318,6 +335,20 @@ def test_corrupt_row_part_names_record_and_row(tmp_path, base_record, name):
         else:
             assert message.startswith(f"{part}: field '{field}' is ") and "allowed" in message
         assert "trajectory" not in message
+
+
+def test_a_part_without_its_last_newline_is_cut_short_for_every_reader(tmp_path, base_record):
+    # lab runs / load_runs refused it (line count) while load_metrics / run_metrics read it.
+    run_dir = tmp_path / "run"
+    records.save_run(run_dir, filled(base_record))
+    part = next((run_dir / "rows" / "epoch").iterdir())
+    part.write_bytes(part.read_bytes().rstrip(b"\n"))
+    size = part.stat().st_size
+    for load in (records.check_stored_rows, records.run_metrics, records.load_record,
+                 lambda d: records.load_metrics(d.parent), lambda d: records.load_runs(d.parent)):
+        with pytest.raises(RecordError, match=rf"the row part holds 1 complete lines \({size} "
+                           r"bytes\); expected 2 rows, as its name says \(truncated\?"):
+            load(run_dir)
 
 
 def test_bad_status_message_shows_value_and_choices(base_record):
@@ -435,9 +466,14 @@ def test_load_runs_on_a_file_says_it_is_a_file(tmp_path):
         records.load_runs(tmp_path / "f")
 
 
-def test_load_runs_on_empty_dir_has_base_columns(tmp_path):
+def test_load_runs_on_empty_dir_has_base_columns(tmp_path, base_record):
     runs = records.load_runs(tmp_path)
     assert runs.empty and list(runs.columns) == list(records.RUN_COLUMNS)
+    # The dtypes of a table with runs (they were all object: a concat lost the ints).
+    records.save_run(tmp_path / "a", filled(base_record, run_id="a", status="complete"))
+    full = records.load_runs(tmp_path)[list(records.RUN_COLUMNS)]
+    assert runs.dtypes.to_dict() == full.dtypes.to_dict() | {"error": object}
+    assert runs["n_rows"].dtype == "int64" and runs["n_epochs"].dtype == "int64"
 
 
 def test_load_metrics_concatenates_every_run(run_tree):
@@ -567,6 +603,17 @@ def test_a_path_argument_that_is_not_a_path_is_named(base_record, tmp_path):
                                             r"run directory or a record.json path \(a str or "
                                             rf"os.PathLike\), got {shown}$"):
             records.load_record(value)
+    one = "a run directory or a record.json path"
+    for value, shown in ((["r"], r"\['r'\] \(list\)"), (None, r"None \(NoneType\)")):
+        with pytest.raises(TypeError, match=rf"^run_metrics: record_path must be {one} \(a str "
+                                            rf"or os.PathLike\), got {shown}$"):
+            records.run_metrics(value)
+    with pytest.raises(ValueError, match=r"^run_metrics: record_path must be .*got '' \(str\)"):
+        records.run_metrics("")  # read ./record.json
+    for value in ({}, None, {"run_id": 3}):
+        with pytest.raises(TypeError, match=r"^tidy_metrics: record must be a run record \(a "
+                                            r"dict with a run_id, as load_record returns\), got"):
+            records.tidy_metrics(value)
     # A str and a Path still read the same run.
     records.save_run(tmp_path / "a", filled(base_record, run_id="a", status="complete"))
     assert records.load_record(str(tmp_path / "a"))["run_id"] == "a"
@@ -606,6 +653,11 @@ def test_keyword_flags_are_bools_not_truthy_values(base_record, tmp_path):
     both = records.load_runs(tmp_path, include_old=np.True_)  # numpy's bool is a bool
     assert sorted(both["run_id"]) == ["r", "r.old-20261130T170000Z"]
     assert set(records.load_metrics(tmp_path, include_old=True)["run_id"]) == set(both["run_id"])
+    # The moved-aside run read on its own keeps its directory's name too (it read as "r",
+    # and a concat with the run that replaced it held one id for two runs).
+    old = tmp_path / "r.old-20261130T170000Z"
+    assert list(records.load_runs(old)["run_id"]) == [old.name]
+    assert set(records.load_metrics(old)["run_id"]) == {old.name}
     # rows="no" loaded the rows.
     for value, shown in (("no", r"'no' \(str\)"), (1, r"1 \(int\)"), ([], r"\[\] \(list\)")):
         with pytest.raises(TypeError, match=rf"^load_record: rows must be a bool, got "
