@@ -292,7 +292,59 @@ def test_mnist1d_train_count_is_what_loads_and_generates_nothing(tmp_path, fresh
              x_test=np.zeros((2, 40)), y_test=np.zeros(2, dtype=np.int64))
     assert mnist1d_module.train_count(tmp_path) == 7
     path.write_bytes(b"damaged")  # load_arrays regenerates a damaged cache: its count
-    assert mnist1d_module.train_count(tmp_path) == mnist1d_module.TRAIN_EXAMPLES
+    with pytest.warns(UserWarning, match="unreadable MNIST-1D cache"):
+        assert mnist1d_module.train_count(tmp_path) == mnist1d_module.TRAIN_EXAMPLES
+
+
+def _with(arrays, key, value):
+    out = dict(zip(("x_train", "y_train", "x_test", "y_test"), arrays, strict=True))
+    out[key] = value
+    return out
+
+
+def _set_at(a, index, value):
+    a = a.copy()
+    a[index] = value
+    return a
+
+
+@pytest.mark.parametrize("name, edit, problem", [
+    ("label 12", lambda a: _with(a, "y_train", _set_at(a[1], 7, 12)),
+     "y_train holds label 12 at index 7; expected 0 to 9"),
+    ("label -1", lambda a: _with(a, "y_test", _set_at(a[3], 3, -1)),
+     "y_test holds label -1 at index 3; expected 0 to 9"),
+    ("channel axis", lambda a: _with(a, "x_train", a[0][:, None, :]),
+     "x_train has shape (4000, 1, 40); expected (examples >= 1, 40)"),
+    ("cut to 30", lambda a: _with(a, "x_train", a[0][:, :30]),
+     "x_train has shape (4000, 30); expected (examples >= 1, 40)"),
+    ("100 labels", lambda a: _with(a, "y_train", a[1][:100]),
+     "y_train has shape (100,) for 4000 signals; expected (4000,)"),
+    ("float labels", lambda a: _with(a, "y_train", a[1] + 0.5),
+     "y_train has dtype float64; expected integer class labels"),
+    ("string labels", lambda a: _with(a, "y_train", a[1].astype("U1")),
+     "y_train has dtype <U1; expected integer class labels"),
+    ("nan", lambda a: _with(a, "x_test", _set_at(a[2], (5, 7), np.nan)),
+     "x_test holds nan at index (5, 7); expected finite values"),
+])
+def test_a_wrong_mnist1d_cache_is_refused_naming_the_file(tmp_path, data_dir, fresh_mnist1d,
+                                                         name, edit, problem):
+    # The cache was trusted as it stood: label 12 failed inside the loss, signals cut to 30
+    # samples trained without a word, a NaN diverged without saying where.
+    del fresh_mnist1d  # (it wrote the generated cache: the edit starts from real arrays)
+    with np.load(mnist1d_module.cache_path(data_dir)) as npz:
+        arrays = tuple(npz[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+    path = mnist1d_module.cache_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    np.savez(path, **edit(arrays))
+    before = path.read_bytes()
+    message = (f"MNIST-1D cache {path}: {problem}; delete the file and it is generated afresh "
+               "(it holds the mnist1d generator's arrays)")
+    for load in (lambda: load_dataset("mnist1d", data_dir=tmp_path),
+                 lambda: train_size("mnist1d", data_dir=tmp_path)):
+        with pytest.raises(DataError) as err:
+            load()
+        assert str(err.value) == message
+    assert path.read_bytes() == before  # not overwritten
 
 
 def test_mnist1d_damaged_cache_is_regenerated(tmp_path, fresh_mnist1d):
@@ -312,6 +364,19 @@ def test_mnist1d_damaged_cache_is_regenerated(tmp_path, fresh_mnist1d):
 def test_cifar10_accepts_batch_dir_or_parent(data_dir, datasets):
     direct = load_dataset("cifar10", data_dir=data_dir / "cifar-10-batches-py")
     _assert_same(direct, datasets["cifar10"])
+
+
+def test_a_cifar10_batch_of_zero_images_is_refused_as_such(tmp_path):
+    # Python 3 pickles empty bytes (protocol 2) through builtins.bytes: the batch was
+    # refused as unsafe code, and an empty split never reached a size check.
+    from lab.data.cifar10 import _dump
+
+    batch_dir = write_fake_cifar10(tmp_path, n_per_batch=4)
+    _dump(batch_dir / TEST_BATCH, {b"data": np.zeros((0, 3072), np.uint8), b"labels": []})
+    with pytest.raises(DataError, match=re.escape(
+            f"CIFAR-10 batch {batch_dir / TEST_BATCH}: b'data' holds 0 images; expected at "
+            "least 1 (shape (n, 3072), n >= 1)")):
+        load_dataset("cifar10", data_dir=tmp_path)
 
 
 def test_write_fake_cifar10_format(tmp_path):

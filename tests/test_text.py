@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -72,6 +73,20 @@ def test_eval_windows_tile_the_stream_evenly():
 def test_bits_per_char():
     assert bits_per_char(math.log(2)) == pytest.approx(1.0)
     assert bits_per_char(math.log(256)) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("text, shown", [("a" * 2000, "'a', 2000 times"),
+                                         ("\0" * 500, "'\\x00', 500 times")])
+def test_a_text_of_one_distinct_character_is_refused(tmp_path, text, shown):
+    # It trained to val_loss 0.0 and 0 bits per character: every next character is certain.
+    path = tmp_path / "one char.txt"
+    path.write_text(text)
+    with pytest.raises(TextError, match=re.escape(
+            f"text {str(path)!r} holds one distinct character ({shown}): there is nothing "
+            "to predict; use a text with at least 2 distinct characters")):
+        load_corpus(str(path), seq_len=8)
+    path.write_text(text[:-1] + "b")  # one other character is enough
+    assert load_corpus(str(path), seq_len=8).vocab_size == 2
 
 
 def test_empty_file_is_refused(tmp_path):

@@ -158,7 +158,8 @@ def _content(name: str, root: Path, arrays) -> dict:
     for a in arrays:
         a = np.ascontiguousarray(a)
         digest.update(f"{a.dtype.str}{a.shape};".encode())
-        digest.update(memoryview(a).cast("B"))
+        # (a view with a zero in its shape cannot be cast to bytes)
+        digest.update(a.tobytes() if a.size == 0 else memoryview(a).cast("B"))
     return {"dataset": name, "dir": str(root.resolve()), "sha256": digest.hexdigest()}
 
 

@@ -162,6 +162,9 @@ def _check_data(path: Path, data: Any) -> np.ndarray:
             f"CIFAR-10 batch {path}: b'data' has shape {data.shape} and dtype {data.dtype}; "
             f"expected shape (n, {ROW_SIZE}) and dtype uint8"
         )
+    if len(data) == 0:
+        raise DataError(f"CIFAR-10 batch {path}: b'data' holds 0 images; expected at least "
+                        f"1 (shape (n, {ROW_SIZE}), n >= 1)")
     return data
 
 
@@ -207,6 +210,8 @@ class _BatchUnpickler(pickle.Unpickler):
         ("numpy", "ndarray"): np.ndarray,
         ("numpy", "dtype"): np.dtype,
         ("_codecs", "encode"): codecs.encode,  # how protocol-2 pickles from python 3 hold bytes
+        ("__builtin__", "bytes"): bytes,  # ... and empty bytes (an array of 0 images)
+        ("builtins", "bytes"): bytes,
     }
 
     def find_class(self, module: str, name: str) -> Any:

@@ -37,6 +37,8 @@ _KEYS = ("x_train", "y_train", "x_test", "y_test")
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # What generate() gives with the package defaults (a test holds the two together).
 TRAIN_EXAMPLES = 4000
+SIGNAL_LENGTH = 40
+N_CLASSES = 10
 
 
 def load_arrays(data_dir: Path, seed: int = DEFAULT_SEED) -> Arrays:
@@ -54,14 +56,10 @@ def train_count(data_dir: Path, seed: int = DEFAULT_SEED) -> int:
     """How many training examples ``load_arrays`` gives, generating and writing nothing: the
     cache's count, else the generator's. A run's pre-check asks this, and a refused run
     must leave no cache (nor the directories for one) in a data_dir it was given."""
-    path = cache_path(data_dir, seed)
-    if path.exists():
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                return len(npz["y_train"])
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            pass  # damaged: load_arrays regenerates it, with a warning
-    return TRAIN_EXAMPLES
+    # Checked as load_arrays checks it (a DataError names what is wrong); an unreadable
+    # one is regenerated there, with a warning.
+    arrays = _read_cache(cache_path(data_dir, seed))
+    return len(arrays[1]) if arrays is not None else TRAIN_EXAMPLES
 
 
 def fit_scaler(x_train: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -115,13 +113,43 @@ def _read_cache(path: Path) -> Arrays | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return tuple(np.array(npz[key]) for key in _KEYS)
+            arrays = tuple(np.array(npz[key]) for key in _KEYS)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         # The cache is disposable: a damaged one must not block a run.
         warnings.warn(
             f"ignoring unreadable MNIST-1D cache {path} ({exc}); regenerating", stacklevel=3
         )
         return None
+    problem = _problem(arrays)
+    if problem:
+        # Readable but not what the generator writes (edited, or another program's): not
+        # overwritten, and not trained on (a label of 12 failed inside the loss; signals
+        # cut to 30 samples trained and tested on other lengths without a word).
+        raise DataError(f"MNIST-1D cache {path}: {problem}; delete the file and it is "
+                        "generated afresh (it holds the mnist1d generator's arrays)")
+    return arrays
+
+
+def _problem(arrays: Arrays) -> str | None:
+    """What is wrong with cached arrays, or None: shapes, dtypes, label range, finiteness."""
+    for split, x, y in (("train", *arrays[:2]), ("test", *arrays[2:])):
+        if x.ndim != 2 or x.shape[1] != SIGNAL_LENGTH or len(x) == 0:
+            return (f"x_{split} has shape {x.shape}; expected (examples >= 1, "
+                    f"{SIGNAL_LENGTH})")
+        if x.dtype.kind != "f":
+            return f"x_{split} has dtype {x.dtype}; expected floats"
+        if not np.isfinite(x).all():
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(x))[0])
+            return f"x_{split} holds {x[where]} at index {where}; expected finite values"
+        if y.shape != (len(x),):
+            return f"y_{split} has shape {y.shape} for {len(x)} signals; expected ({len(x)},)"
+        if y.dtype.kind not in "iu":
+            return f"y_{split} has dtype {y.dtype}; expected integer class labels"
+        bad = np.flatnonzero((y < 0) | (y >= N_CLASSES))
+        if len(bad):
+            return (f"y_{split} holds label {y[bad[0]]} at index {bad[0]}; expected 0 to "
+                    f"{N_CLASSES - 1}")
+    return None
 
 
 def _write_cache(path: Path, arrays: Arrays) -> None:

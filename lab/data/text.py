@@ -117,6 +117,12 @@ def load_corpus(text_path: str = "", *, seq_len: int, val_fraction: float = 0.1)
             f"{n_val} validation, and each split needs at least seq_len + 1 = {seq_len + 1} "
             f"characters; use a text of at least {need} characters or a smaller seq_len")
     vocab = "".join(sorted(set(text)))
+    if len(vocab) < 2:
+        # Every next character is certain: a model learns nothing, and the run would
+        # report a perfect loss (0 bits per character).
+        raise TextError(f"text {source!r} holds one distinct character ({vocab!r}, "
+                        f"{len(text)} times): there is nothing to predict; use a text with at "
+                        "least 2 distinct characters")
     index = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
     return CharCorpus(source=source, vocab=vocab, train=ids[:n_train], val=ids[n_train:])
