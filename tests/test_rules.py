@@ -611,9 +611,16 @@ def test_bad_rule_parameters(name, params, message):
 
 @pytest.mark.parametrize("name", [n for n in sorted(RULES) if n != "bp"])
 def test_unsupported_model_names_its_layers(name):
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"cannot handle 0 \(Linear\), 2 \(Linear\)"):
-        make_rule(name, model)
+    class TorchLayers(nn.Module):  # the tap contract, but torch's own Linear layers
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+        def forward(self, x, tap=None):
+            return self.body(x)
+
+    with pytest.raises(ValueError, match=r"cannot handle body.0 \(Linear\), body.2 \(Linear\)"):
+        make_rule(name, TorchLayers())
 
 
 @pytest.mark.parametrize("seed", [-5, "0", 2**63, 1.5, True, None])
@@ -640,6 +647,7 @@ def test_make_rule_takes_the_rules_params_instance():
     model = ResNet(8, 4, dims=1, in_channels=1, n_classes=4)
     params = rule_class("fa").Params(feedback_scale=2.0)
     by_instance = make_rule("fa", model, params, seed=3)
+    by_instance.detach()  # (one rule on a model at a time)
     by_mapping = make_rule("fa", model, {"feedback_scale": 2.0}, seed=3)
     assert by_instance.params == by_mapping.params == params
     feedback = list(by_instance.feedback)
@@ -963,12 +971,15 @@ def test_bp_refuses_a_model_left_with_another_rules_feedback():
     from lab.models.resnet import ResNet
 
     model = ResNet(depth=8, width=4, dims=1, in_channels=1, n_classes=10)
-    make_rule("fa", model, seed=0)
-    with pytest.raises(ConfigError, match=r"^rule 'bp': the model's layers .* hold another "
-                                          r"rule's feedback tensors, so its backward would not"):
-        make_rule("bp", model)
-    for _, layer in local_layers(model):
-        layer.feedback = None
+    fa = make_rule("fa", model, seed=0)
+    for name in ("bp", "kp"):  # a second feedback rule replaced the first's tensors too
+        with pytest.raises(ConfigError, match=rf"^rule '{name}': the model's layers .* hold "
+                                              r"another rule's feedback tensors \(a model "
+                                              r"trains under one rule at a time\); call that "
+                                              r"rule's detach\(\) first"):
+            make_rule(name, model)
+    fa.detach()
+    assert all(layer.feedback is None for _, layer in local_layers(model))
     assert make_rule("bp", model).name == "bp"
 
 

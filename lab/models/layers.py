@@ -59,9 +59,12 @@ class _FeedbackLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, feedback = ctx.saved_tensors
+        # Any leading dims (B, *, in), as nn.Linear takes: the weight's gradient sums over
+        # all of them.
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = grad_out @ feedback if ctx.needs_input_grad[0] else None
-        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None  # (out, in)
-        grad_b = grad_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w = g2.t() @ x2 if ctx.needs_input_grad[1] else None  # (out, in)
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -75,6 +78,17 @@ class _FeedbackSlot:
     """
 
     feedback: torch.Tensor | None = None
+
+    def _checked_feedback(self) -> torch.Tensor:
+        # A plain attribute, so model.to() / .double() do not move it: refused by name
+        # (it failed deep in backward with "expected m1 and m2 to have the same dtype").
+        b, w = self.feedback, self.weight
+        if b.dtype != w.dtype or b.device != w.device:
+            raise RuntimeError(
+                f"{type(self).__name__}'s feedback tensor is {b.dtype} on {b.device} but its "
+                f"weight is {w.dtype} on {w.device}: the model was cast or moved after its "
+                "rule was attached; build the rule after model.to(...)")
+        return b
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -101,8 +115,8 @@ class Conv(_FeedbackSlot, nn.Module):
         if self.feedback is None:
             conv = F.conv1d if self.dims == 1 else F.conv2d
             return conv(x, self.weight, self.bias, self.stride, self.padding)
-        return _FeedbackConv.apply(x, self.weight, self.bias, self.feedback, self.stride,
-                                   self.padding, self.dims)
+        return _FeedbackConv.apply(x, self.weight, self.bias, self._checked_feedback(),
+                                   self.stride, self.padding, self.dims)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, dims={self.dims}, "
@@ -116,7 +130,7 @@ class Linear(_FeedbackSlot, nn.Linear):
     def forward(self, x):
         if self.feedback is None:
             return super().forward(x)
-        return _FeedbackLinear.apply(x, self.weight, self.bias, self.feedback)
+        return _FeedbackLinear.apply(x, self.weight, self.bias, self._checked_feedback())
 
 
 def local_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError, validate
+from .common import check_model
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Rule:
     Params: ClassVar[type] = NoParams
 
     def __init__(self, model: nn.Module, params=None, *, seed: int = 0):
+        check_model(model, self.name)
         self.model = model
         self.params = params if params is not None else self.Params()
         self.seed = seed
@@ -82,6 +84,11 @@ class Rule:
     def parameters(self) -> list[torch.Tensor]:
         """Learnable tensors the rule owns, stepped with the model's own hyper-parameters."""
         return []
+
+    def detach(self) -> None:
+        """Take the rule off its model: what it set on the layers (feedback tensors) is
+        removed, so the model computes exact gradients again and another rule may train
+        it. The rule keeps its state; it computes nothing afterwards."""
 
     @staticmethod
     def example_needs(params) -> dict[str, int]:

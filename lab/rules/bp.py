@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from ..config import ConfigError
 from ..models.layers import local_layers
 from .base import Rule, StepResult
-from .common import Recorder
+from .common import Recorder, check_no_feedback, check_targets
 from .registry import register
 
 
@@ -19,12 +18,7 @@ class Backprop(Rule):
         super().__init__(model, params, seed=seed)
         # A layer still holding another rule's feedback tensor transports through it:
         # "bp" would silently be that rule (fa's teaching, billed as backprop).
-        held = [n for n, m in local_layers(model) if getattr(m, "feedback", None) is not None]
-        if held:
-            raise ConfigError(f"rule {self.name!r}: the model's layers {', '.join(held[:3])}"
-                              f"{' ...' if len(held) > 3 else ''} hold another rule's feedback "
-                              "tensors, so its backward would not be backprop; give bp a fresh "
-                              "model (or set each layer's .feedback = None)")
+        check_no_feedback(model, self.name)
 
     def compute_gradients(self, x, y, step, record=False):
         return autograd_step(self.model, x, y, record)
@@ -53,6 +47,7 @@ def autograd_step(model, x, y, record: bool, tap=None) -> StepResult:
     else:
         both = recorder or tap
     logits = model(x, tap=both)  # (B, n_classes)
+    check_targets(y, logits)
     loss = F.cross_entropy(logits, y)
     loss.backward()
     return StepResult(loss.detach(), logits.detach(), recorder.teaching() if record else None)

@@ -16,12 +16,19 @@ Two ways a rule produces its teaching signals, both through the model's
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from ..models.layers import local_layers
+
+MODEL_CONTRACT = ("forward(x, tap=None) that calls h = tap(i, h) on each hidden population "
+                  "in forward order, with its Conv/Linear layers from lab.models.layers (torch's "
+                  "own have no feedback slot; see lab.models.mlp.MLP)")
 
 
 def derive_seed(seed: int, *tags: int | str) -> int:
@@ -113,6 +120,84 @@ class Segments:
             torch.autograd.backward([h for h, _ in pairs], [s for _, s in pairs])
 
 
+def check_model(model, rule: str) -> None:
+    """A model a rule can train: an nn.Module whose forward takes the ``tap`` hook.
+
+    A plain ``nn.Sequential`` was accepted and failed inside torch at the first step
+    ("forward() got an unexpected keyword argument 'tap'")."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rule {rule!r}: model must be a torch nn.Module with "
+                        f"{MODEL_CONTRACT}; got {type(model).__name__}")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the first call say
+        return
+    if not any(p.name == "tap" or p.kind is p.VAR_KEYWORD for p in params):
+        raise ValueError(f"rule {rule!r} cannot train {type(model).__name__}: its forward"
+                         f"{inspect.signature(model.forward)} takes no tap; the rules need "
+                         f"{MODEL_CONTRACT}")
+
+
+def check_no_feedback(model, rule: str) -> None:
+    """ConfigError if a layer still holds another rule's feedback tensor: ``rule`` would
+    transport through it (bp would silently be that rule, and a second feedback rule
+    would replace the first one's tensors while the first still reported its own)."""
+    held = [n for n, m in local_layers(model) if getattr(m, "feedback", None) is not None]
+    if held:
+        raise ConfigError(f"rule {rule!r}: the model's layers {', '.join(held[:3])}"
+                          f"{' ...' if len(held) > 3 else ''} hold another rule's feedback "
+                          "tensors (a model trains under one rule at a time); call that "
+                          "rule's detach() first, or give this rule a fresh model")
+
+
+@contextlib.contextmanager
+def forward_order(model):
+    """Yields the list, filled during the block, of the Conv/Linear layers' names in the
+    order forward first calls them."""
+    order: list[str] = []
+
+    def seen(name):
+        if name not in order:
+            order.append(name)
+
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=name: seen(n))
+             for name, m in local_layers(model)]
+    try:
+        yield order
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def check_first_layer(model, order: list[str], rule: str) -> None:
+    """The first registered Conv/Linear must be the first forward calls: the rules take it
+    as the layer that reads the data and give it no feedback tensor. A model whose read-out
+    was registered first got exact backprop below it from fa and kp, silently."""
+    first = local_layers(model)[0][0]
+    if order and order[0] != first:
+        raise ValueError(f"rule {rule!r}: {type(model).__name__}.forward calls layer "
+                         f"{order[0]!r} first, but {first!r} is registered first; the rules "
+                         "take the first registered Conv/Linear as the layer that reads the "
+                         f"data (it carries no feedback), so {first!r} would pass backprop's "
+                         "exact error to the layers below it. Define the layers in __init__ "
+                         "in the order forward uses them")
+
+
+def check_targets(y: torch.Tensor, logits: torch.Tensor) -> None:
+    """Class indices, one per example: every rule's loss is the batch-mean cross-entropy.
+    Float targets (a regression's) were read as soft labels by some rules and failed
+    deep inside others."""
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.int64 \
+            or tuple(y.shape) != tuple(logits.shape[:1]):
+        got = (f"{y.dtype} of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor)
+               else type(y).__name__)
+        raise ValueError(f"targets y must be class indices: an int64 tensor of shape "
+                         f"({logits.shape[0]},), one per example; got {got}. The rules' loss "
+                         "is the batch-mean cross-entropy of the logits (float targets, MSE "
+                         "or soft labels are not supported)")
+
+
 def output_error(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """e = softmax(logits) - onehot(y): d(sum cross-entropy)/d logits. (B, K)"""
+    check_targets(y, logits)
     return torch.softmax(logits, dim=1) - F.one_hot(y, logits.shape[1]).to(logits.dtype)

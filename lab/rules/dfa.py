@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..config import SEED_MAX, bounded, choice, validate
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
-from .common import Segments, derive_seed, output_error
+from .common import MODEL_CONTRACT, Segments, check_targets, derive_seed, output_error
 from .feedback import check_supported
 from .registry import register
 
@@ -91,6 +91,12 @@ class DirectFeedbackAlignment(Rule):
     def compute_gradients(self, x, y, step, record=False):
         segments = Segments()
         logits = self.model(x, tap=segments)  # (B, K)
+        check_targets(y, logits)
+        if not segments.outputs:
+            # Nothing cut: the loss's backward would reach every layer, as backprop's.
+            raise ValueError(f"rule {self.name!r}: {type(self.model).__name__}.forward called "
+                             "tap on no population, so no error would be projected and the "
+                             f"backward would be backprop's; the rules need {MODEL_CONTRACT}")
         if self.projections is None:
             self._make_projections(segments.outputs, logits.shape[1])
             if self.params.projection_norm == "gradient":

@@ -23,6 +23,7 @@ first layer reads the data: nothing needs its input gradient, so it has no B
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,14 @@ from ..config import SEED_MAX, bounded, validate
 from ..models.layers import local_layers
 from .base import Rule
 from .bp import autograd_step
-from .common import derive_seed, feedback_layer_names, initial_scale
+from .common import (
+    check_first_layer,
+    check_no_feedback,
+    derive_seed,
+    feedback_layer_names,
+    forward_order,
+    initial_scale,
+)
 from .registry import register
 
 
@@ -49,7 +57,8 @@ def unsupported_layers(model: nn.Module) -> list[str]:
     """Parametrised modules no local rule can credit (not lab Conv/Linear or a norm)."""
     allowed = tuple(type(m) for _, m in local_layers(model)) + (
         nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
-    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+    return [f"{name or '<the model itself>'} ({type(m).__name__})"
+            for name, m in model.named_modules()
             if any(True for _ in m.parameters(recurse=False)) and not isinstance(m, allowed)]
 
 
@@ -77,9 +86,12 @@ class FeedbackAlignment(Rule):
     name = "fa"
     Params = FeedbackParams
 
+    _order_checked = False  # (a class default: rules unpickled from older states too)
+
     def __init__(self, model, params=None, *, seed=0):
         super().__init__(model, params, seed=seed)
         check_supported(model, self.name)
+        check_no_feedback(model, self.name)
         names = set(feedback_layer_names(model))
         self.layers = [(n, m) for n, m in local_layers(model) if n in names]
         self.generator = torch.Generator().manual_seed(
@@ -88,9 +100,24 @@ class FeedbackAlignment(Rule):
         self.scales = [self.params.feedback_scale * initial_scale(m.weight)
                        for _, m in self.layers]
         self.feedback = [self._draw(i) for i in range(len(self.layers))]
+        self._attach()
+        self.steps = 0
+
+    def _attach(self) -> None:
         for (_, module), b in zip(self.layers, self.feedback):
             module.feedback = b
-        self.steps = 0
+
+    def detach(self) -> None:
+        for (_, module), b in zip(self.layers, self.feedback):
+            if module.feedback is b:  # (not another's, set since)
+                module.feedback = None
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy of the rule (copy.deepcopy, pickling) copies its model, whose layers drop
+        # their feedback slot (see lab.models.layers): without this the copy computed exact
+        # backprop while holding, and reporting, its own feedback tensors.
+        self.__dict__.update(state)
+        self._attach()
 
     def _draw(self, index: int) -> torch.Tensor:
         """A fresh N(0, scale^2) tensor shaped like layer ``index``'s weight."""
@@ -104,9 +131,14 @@ class FeedbackAlignment(Rule):
         """Recompute B from W before a step (sign-symmetry rules)."""
 
     def compute_gradients(self, x, y, step, record=False):
-        with self.keeping_state(step):  # brsf's refresh draws from the generator
-            self.refresh()
+        # At the first call, which layer forward reads the data with (see check_first_layer).
+        with self.keeping_state(step), (contextlib.nullcontext() if self._order_checked
+                                        else forward_order(self.model)) as order:
+            self.refresh()  # brsf's refresh draws from the generator
             out = autograd_step(self.model, x, y, record)
+        if order is not None:
+            check_first_layer(self.model, order, self.name)
+            self._order_checked = True
         if step is not None:
             self.steps += 1
         return out
@@ -162,7 +194,8 @@ class KolenPollack(FeedbackAlignment):
     def compute_gradients(self, x, y, step, record=False):
         out = super().compute_gradients(x, y, step, record)
         for (_, module), b in zip(self.layers, self.feedback):
-            b.grad = module.weight.grad.clone()
+            if module.weight.grad is not None:  # (a frozen layer's B stays as it is)
+                b.grad = module.weight.grad.clone()
         return out
 
     def work(self, layer_macs, examples):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SEED_MAX, bounded, validate
+from ..models.layers import Linear
 from .feedback import FeedbackAlignment
 from .registry import register
 
@@ -101,6 +102,9 @@ class WeightMirror(FeedbackAlignment):
         shapes, positions = {}, {}
 
         def capture(name, inp, out):
+            if isinstance(dict(self.layers)[name], Linear):  # (a (B, T, D) input too)
+                shapes[name], positions[name] = (inp[0].shape[-1],), 1
+                return
             shapes[name] = tuple(inp[0].shape[1:])
             positions[name] = out[0, 0].numel()  # output positions per probe
 

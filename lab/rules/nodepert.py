@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..config import bounded, validate
 from .base import Rule, StepResult
-from .common import Segments, derive_seed, full_fp32
+from .common import Segments, check_targets, derive_seed, full_fp32
 from .feedback import check_supported
 from .perturbation import PerturbationEstimator, below, pert_sigma_field
 from .registry import register
@@ -64,6 +64,7 @@ class NodePerturbation(Rule):
         segments = Segments()
         with full_fp32():
             logits = self.model(x, tap=segments)  # (B, K)
+        check_targets(y, logits)
         losses = F.cross_entropy(logits, y, reduction="none")  # (B,)
         hs = [h.detach() for h in segments.outputs]
         clean = losses.detach()

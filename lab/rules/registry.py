@@ -19,6 +19,7 @@ from ..config import (
     plain_number,
     validate,
 )
+from .common import check_model
 
 RULES: dict[str, type] = {}
 
@@ -150,6 +151,7 @@ def make_rule(name: str, model, params=None, *, seed: int = 0):
         raise ConfigError(f"make_rule seed={seed!r} is not allowed; give an integer in "
                           f"[0, {SEED_MAX}] (the run seed)")
     made = rule_params(name, params)
+    check_model(model, name)  # (before its parameters are read)
     weight = next(model.parameters(), None)
     if weight is not None and weight.is_floating_point():
         check_params_in_dtype(name, made, str(weight.dtype).removeprefix("torch."))
