@@ -27,6 +27,11 @@ import yaml
 # run's identity (resume and sweep comparisons), so toggling a progress bar
 # never makes a finished run look stale or refuses a resume.
 DISPLAY_ONLY = frozenset({"progress"})
+# Likewise how often the state is saved: a run resumed from any checkpoint equals the
+# uninterrupted one (tests/test_lifecycle.py kills runs anywhere), so a new cadence
+# neither makes finished runs stale (a whole protocol retrained for it) nor refuses a
+# resume; the resumed run saves at the new one.
+OPERATIONAL = frozenset({"checkpoint_every"})
 # The largest seed every generator a run seeds accepts (torch takes a signed 64-bit
 # integer): a seed field is ``bounded(0, 0, SEED_MAX)``.
 SEED_MAX = 2**63 - 1
@@ -34,8 +39,10 @@ INT64_MAX = 2**63 - 1  # the largest count a config takes (a torch / numpy int64
 
 
 def identity(config: dict) -> dict:
-    """A config dict without its display-only fields: what makes two runs the same run."""
-    return {key: value for key, value in config.items() if key not in DISPLAY_ONLY}
+    """A config dict without its display-only and operational fields: what makes two runs
+    the same run."""
+    return {key: value for key, value in config.items()
+            if key not in DISPLAY_ONLY and key not in OPERATIONAL}
 
 
 class ConfigError(ValueError):

@@ -489,7 +489,8 @@ def _same_data_dir(then: Mapping, now: Mapping, record: Mapping) -> Mapping:
 def config_differences(then: Mapping, now: Mapping, full: bool = True) -> list[str]:
     """``"field: <then> there vs <now> now"`` for each field that differs.
 
-    Display-only fields (``lab.config.DISPLAY_ONLY``) never differ. ``full``
+    Display-only and operational fields (``lab.config.DISPLAY_ONLY``, ``OPERATIONAL``:
+    the progress bar, the checkpoint cadence) never differ. ``full``
     compares every field of either; otherwise only fields both hold (a notebook
     without a config class may record a config of its own shape).
     """

@@ -143,6 +143,20 @@ def test_display_only_change_resumes(tmp_path):
     assert resumed["steps"] == full["steps"] and resumed["final"] == full["final"]
 
 
+def test_a_new_checkpoint_cadence_resumes_and_leaves_a_finished_run_as_it_is(tmp_path):
+    # Changing checkpoint_every made every complete run of a protocol stale (retrained with
+    # --force) and refused resumes, though the cadence never changes what is computed.
+    full = train_synthetic(SyntheticConfig(steps=40, checkpoint_every=5), tmp_path / "ref")
+    _interrupt(SyntheticConfig(steps=40, checkpoint_every=5), tmp_path / "r", after=17)
+    resumed = train_synthetic(SyntheticConfig(steps=40, checkpoint_every=3), tmp_path / "r")
+    assert resumed["steps"] == full["steps"] and resumed["final"] == full["final"]
+    again = train_synthetic(SyntheticConfig(steps=40, checkpoint_every=0), tmp_path / "ref")
+    assert records.without_timings(again) == records.without_timings(full)  # nothing to do
+    # Still an identity for everything else: another lr is refused.
+    with pytest.raises(CheckpointError, match=r"lr: 0.05 there vs 0.1 now"):
+        train_synthetic(SyntheticConfig(steps=40, checkpoint_every=3, lr=0.1), tmp_path / "r")
+
+
 def _interrupt(config, out, after):
     """Run ``after`` rows, then stop as a KeyboardInterrupt would (run stays resumable)."""
     calls = {"n": 0}
