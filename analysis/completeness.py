@@ -268,8 +268,13 @@ def advice(problems: Sequence[str]) -> str:
     that diverged, or a non-finite value in a finished run, is what the same config
     gives again (runs are deterministic), so "rerun the sweep" alone would not help."""
     results = [p for p in problems if "status 'diverged'" in p or "is non-finite" in p]
+    # 'running' is live (a killed run reads 'interrupted'): a sweep is still at work.
+    running = [p for p in problems if "status 'running'" in p]
     text = "only complete data is summarised"
-    if len(results) < len(problems):
+    if running:
+        text += ("; a run with status 'running' is being trained now (a sweep is still at "
+                 "work): wait for it to finish, then run this again")
+    if len(results) + len(running) < len(problems):
         text += "; rerun the sweep to fill the gaps"
     if results:
         text += ("; a diverged run or a non-finite value is what the same config gives "

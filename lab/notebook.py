@@ -611,6 +611,9 @@ def _kernel_manager_class():
             self._socket_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_PREFIX}{os.getpid()}-")
             kwargs.setdefault("transport", "ipc")
             kwargs.setdefault("ip", os.path.join(self._socket_dir, "k"))
+            # The connection file too, so a kernel whose parent was killed leaves one
+            # directory (removed by the next kernel), not a stray /tmp/tmp*.json as well.
+            kwargs.setdefault("connection_file", os.path.join(self._socket_dir, "kernel.json"))
             super().__init__(**kwargs)
 
         def format_kernel_cmd(self, extra_arguments=None):

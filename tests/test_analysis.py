@@ -239,7 +239,7 @@ def test_a_metric_the_record_declares_undefined_may_be_nan_but_not_missing_or_in
     assert problems([0.5, nan], declared=False, undefined=["alignment/"]) == []
 
 
-@pytest.mark.parametrize("case", ["gap", "diverged", "nan final", "both"])
+@pytest.mark.parametrize("case", ["gap", "diverged", "nan final", "both", "running"])
 def test_the_advice_fits_the_problems(case):
     # "rerun the sweep to fill the gaps" was the advice for a diverged run and a NaN final
     # too, though the same config diverges again (runs are deterministic).
@@ -249,14 +249,18 @@ def test_the_advice_fits_the_problems(case):
     rows += [("a", "final", -1, "acc", 0.5),
              ("b", "final", -1, "acc", float("nan") if case == "nan final" else 0.5)]
     status = {"gap": ["complete", "failed"], "diverged": ["complete", "diverged"],
-              "nan final": ["complete", "complete"], "both": ["failed", "diverged"]}[case]
+              "nan final": ["complete", "complete"], "both": ["failed", "diverged"],
+              "running": ["complete", "running"]}[case]
     runs = pd.DataFrame({"run_id": ["a", "b"], "status": status, "error": [None] * 2,
                          "expect": [expect, expect]})
     with pytest.raises(IncompleteProtocolError) as err:
         check_complete(runs, pd.DataFrame(rows, columns=list(records.TIDY_COLUMNS)), ["a", "b"])
     text = str(err.value).splitlines()[0]
     assert ("rerun the sweep to fill the gaps" in text) == (case in ("gap", "both"))
-    assert ("rerunning reproduces it" in text) == (case != "gap")
+    assert ("rerunning reproduces it" in text) == (case not in ("gap", "running"))
+    # A run that is live (a sweep still at work; a killed one reads 'interrupted'): wait.
+    assert ("a run with status 'running' is being trained now (a sweep is still at work): "
+            "wait for it to finish, then run this again" in text) == (case == "running")
 
 
 def test_spans():

@@ -388,7 +388,10 @@ def _kill_lab_run(tmp_path: Path, launcher: bool) -> tuple[int, float]:
     code = (f"import sys, lab.notebook\n{patch}from lab.cli import main\n"
             f"sys.exit(main(['run', {str(SLOW)!r}, '--out', {str(out)!r}, '-p', 'ticks', "
             "'400', '-p', 'tick_s', '0.01']))")
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    env = dict(os.environ)
+    if not launcher:  # jupyter's own TCP kernel: its connection file stays where it was put
+        env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, env=env)
     trace = out / "trace.log"
     deadline = time.time() + 120
     while not (trace.exists() and trace.read_text().count("tick") >= 3):

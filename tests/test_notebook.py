@@ -747,6 +747,8 @@ def test_kernels_talk_over_unix_sockets_that_go_with_them():
     km = _kernel_manager_class()(kernel_name="python3")
     assert km.transport == "ipc" and km.ip.startswith(km._socket_dir)
     assert len(km.ip) + len("-65535") < 100  # under the ~107-byte limit of a socket path
+    # and its connection file beside them (a killed sweep left /tmp/tmp*.json files)
+    assert Path(km.connection_file).parent == Path(km._socket_dir)
 
     async def start_and_stop():
         await km.start_kernel()
@@ -756,6 +758,7 @@ def test_kernels_talk_over_unix_sockets_that_go_with_them():
         client.start_channels()
         await client.wait_for_ready(timeout=60)  # it answers over those sockets
         assert any(p.name.startswith("k-") for p in Path(km._socket_dir).iterdir())
+        assert Path(km.connection_file).is_file()
         client.stop_channels()
         await km.shutdown_kernel(now=True)
 
