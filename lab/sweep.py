@@ -860,6 +860,10 @@ class SweepReport:
                   for o in self.outcomes if o.status in ("failed", "diverged", *LEFT_ALONE)]
         lines += [f"  replaced {o.run_id}: the old run is kept in {o.moved_aside}"
                   for o in self.outcomes if o.moved_aside]
+        if count["locked"]:
+            # Two sweeps of one protocol: the other may well have finished it by now.
+            lines.append("  (a locked run is another process's to finish, and it may have "
+                         "by now: `lab runs` on the protocol shows where each run stands)")
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from lab.notebook import notebook_defaults, read_values
 from lab.sweep import (
     Protocol,
     ProtocolError,
+    SweepReport,
     expand,
     kernel_env,
     load_protocol,
@@ -352,6 +353,13 @@ def test_plan_reports_locked_interrupted_and_unreadable_runs(tmp_path):
         # --force replaces the unreadable run; the live one is never touched.
         forced = plan(protocol, 1, force=True)[1]
         assert forced["x-3"] is None and forced["x-4"].status == "locked"
+        # The summary says a locked run may be finished by its holder (two sweeps of one
+        # protocol: each ended "LOCKED" for runs the other had completed meanwhile).
+        report = SweepReport("p", str(runs), [o for o in outcomes.values() if o])
+        assert report.summary().endswith(
+            "\n  (a locked run is another process's to finish, and it may have by now: "
+            "`lab runs` on the protocol shows where each run stands)")
+        assert "locked run" not in SweepReport("p", str(runs), [outcomes["x-1"]]).summary()
     finally:
         holder.kill()
         holder.wait()
