@@ -401,7 +401,10 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     root = root.resolve()
     dirs = sorted(p.parent for p in root.glob(f"**/{records.RECORD_FILE}")) \
         if root.is_dir() else []
+    others = []
     if expected is not None:  # a protocol's runs are exactly <out>/<run_id>
+        others = sorted(d.name for d in dirs if d.parent == root and d.name not in set(expected)
+                        and not records.MOVED_ASIDE.search(d.name))
         dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
     runs, unreadable = _run_rows(dirs)
     runs = _with_starting(runs, root, expected)
@@ -439,7 +442,11 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     if "axis" in table.columns:
         table["axis"] = table["axis"].fillna("")
     bad = [(_relative(str(d), base), reason) for d, reason in unreadable]
-    return table.rename(columns=lambda c: c.removeprefix("final.")), bad
+    table = table.rename(columns=lambda c: c.removeprefix("final."))
+    # Runs in the protocol's out that it does not ask for (a grid value removed since,
+    # another protocol's): not its runs, so not listed, but not passed over in silence.
+    table.attrs["not_in_protocol"] = others
+    return table, bad
 
 
 def _runs(args) -> int:
@@ -467,6 +474,12 @@ def _runs(args) -> int:
             print(f"\n{len(cut)} message(s) in full:")
             for run_id, text in cut:
                 print(f"  {run_id}: " + "\n    ".join(text.splitlines()))
+    others = table.attrs.get("not_in_protocol", [])
+    if others:
+        print(f"\n{len(others)} run director{'y' if len(others) == 1 else 'ies'} in the "
+              f"protocol's out {'is' if len(others) == 1 else 'are'} not among its runs "
+              f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): a grid value "
+              "removed since, or another protocol's? `lab runs` on the directory lists them")
     # A run --force moved aside was replaced on purpose (often because it was broken):
     # shown, but it does not make the listing fail.
     old = [(w, r) for w, r in unreadable if MOVED_ASIDE.search(Path(w).name)]

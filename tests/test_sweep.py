@@ -578,7 +578,17 @@ def test_lab_runs_lists_a_protocol_with_missing_runs(tmp_path, capsys):
     table, _ = runs_table(path)
     assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "missing"}
     assert list(table["dir"]) == ["x-1", "x-2"]
+    assert table.attrs["not_in_protocol"] == []  # (a moved-aside run is the protocol's)
     assert cli_main(["runs", str(tmp_path / "nowhere")]) == 2
+    # A grid value removed since: its run is not listed, but it is not passed over either.
+    _fake_run(tmp_path / "runs" / "x-7", "complete", {**config, "x": 7})
+    capsys.readouterr()
+    assert cli_main(["runs", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "x-7" not in out.split("\n\n")[0]  # not in the table
+    assert out.endswith("\n1 run directory in the protocol's out is not among its runs (x-7): "
+                        "a grid value removed since, or another protocol's? `lab runs` on the "
+                        "directory lists them\n")
 
 
 def test_a_fixed_leaf_inside_a_grid_dict_is_refused(tmp_path):
