@@ -426,12 +426,12 @@ def _check_expect(expect: dict, path) -> None:
         if not _names(expect.get(key, [])):
             _fail(path, f"expect.{key}", _describe(expect[key]),
                   "a list of metric names (non-empty strings)")
-    for entry in expect.get("periodic", []) if isinstance(expect.get("periodic", []),
-                                                           list | tuple) else [None]:
-        if not (isinstance(entry, list | tuple) and len(entry) == 3 and _names(entry[:1])
-                and _is_int(entry[1]) and entry[1] >= 1 and _is_int(entry[2])):
-            _fail(path, "expect.periodic", _describe(expect["periodic"]),
-                  "a list of [metric name, every (an int >= 1), offset (an int)] entries")
+    periodic = expect.get("periodic", [])
+    if not isinstance(periodic, list | tuple) or not all(
+            isinstance(e, list | tuple) and len(e) == 3 and _names(e[:1]) and _is_int(e[1])
+            and e[1] >= 1 and _is_int(e[2]) for e in periodic):
+        _fail(path, "expect.periodic", _describe(periodic),
+              "a list of [metric name, every (an int >= 1), offset (an int)] entries")
 
 
 def _check_fields(record: dict, path) -> None:
@@ -906,8 +906,8 @@ def _record_paths(root, include_old: bool = False) -> list[Path]:
 
 
 def _old_run_id(path: Path) -> dict:
-    """{"run_id": <its directory's name>} for a run moved aside by --force at or below
-    ``root`` (it keeps the run_id of the run that replaced it), else {}."""
+    """{"run_id": <its directory's name>} for a run moved aside by --force (it keeps the
+    run_id of the run that replaced it), whether it is read alone or below a root; else {}."""
     name = Path(path).parent.name
     return {"run_id": name} if MOVED_ASIDE.search(name) else {}
 

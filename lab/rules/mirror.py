@@ -101,15 +101,15 @@ class WeightMirror(FeedbackAlignment):
     def _capture_input_shapes(self, x):
         shapes, positions = {}, {}
 
-        def capture(name, inp, out):
-            if isinstance(dict(self.layers)[name], Linear):  # (a (B, T, D) input too)
+        def capture(name, module, inp, out):
+            if isinstance(module, Linear):  # (a (B, T, D) input too)
                 shapes[name], positions[name] = (inp[0].shape[-1],), 1
                 return
             shapes[name] = tuple(inp[0].shape[1:])
             positions[name] = out[0, 0].numel()  # output positions per probe
 
         hooks = [m.register_forward_hook(
-            lambda mod, inp, out, n=name: capture(n, inp, out)) for name, m in self.layers]
+            lambda mod, inp, out, n=name: capture(n, mod, inp, out)) for name, m in self.layers]
         try:
             with torch.no_grad():
                 was_training = self.model.training
