@@ -45,7 +45,13 @@ def _lab_step(rule_name, x, y, dims=2, params=None):
     model = ResNet(20, 16, dims=dims, in_channels=x.shape[1])
     if rule_name in LEARNED:  # ordinary steps: no calibration event falls due
         params = {"pert_every": 10 ** 9, **(params or {})}
+    calibrated = rule_name in ("kp_traffic", "sdil")
+    if calibrated:  # the traffic gains, calibrated on this batch, no warm-up
+        params = {"traffic_calibration_examples": len(y), "predictor_warmup_steps": 0,
+                  **({"a_warmup_steps": 0} if rule_name == "sdil" else {}), **(params or {})}
     rule = make_rule(rule_name, model, params or {}, seed=0)
+    if calibrated:
+        rule.prepare(x, y)  # as the trainer does before the first step
     # As the trainer builds it: the rule's tensors beside the model's, its own groups apart.
     groups = [{"params": list(model.parameters()) + rule.parameters()}] + rule.param_groups()
     opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9)

@@ -619,6 +619,11 @@ def _report(args) -> int:
             if not Path(args.runs).is_dir():
                 raise NotebookError(f"--runs {args.runs}: no such directory of runs")
             params["runs_dir"] = str(Path(args.runs).resolve())
+            if Path(args.runs).resolve() != Path(protocol.out).resolve():
+                print(f"note: --runs {args.runs} is not the protocol's out ({protocol.out}): "
+                      "its runs are checked for presence and completeness, not against the "
+                      "protocol's values (a run made with other values is reported as it is)",
+                      file=sys.stderr)
         out = Path(args.out)
         # Another notebook than the protocol's own report gets its own name: the two would
         # overwrite each other.

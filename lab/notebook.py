@@ -392,6 +392,26 @@ class Resolved:
         return {**self.extras, **self.config}
 
 
+def _check_declares_every_field(notebook, spec: NotebookSpec) -> None:
+    """A parameters cell must declare every field of the notebook's config class: the
+    kernel builds the config from the cell's names (``config_from``), so a missing one
+    would fail there, after a kernel started and a failed run was left behind."""
+    cls = spec.config_class
+    if cls is None:
+        return
+    missing = [f for f in dataclasses.fields(cls) if f.name not in spec.declared]
+    if missing:
+        first = missing[0]
+        default = (first.default if first.default is not dataclasses.MISSING
+                   else first.default_factory() if first.default_factory is not dataclasses.MISSING
+                   else None)
+        raise ParameterError(
+            f"notebook {notebook}: its parameters cell does not declare {cls.__name__} "
+            f"field(s) {', '.join(f.name for f in missing)} (its config class, named in its "
+            f"metadata 'lab_config'); the kernel builds the config from the cell's names, so "
+            f"declare every field there, e.g. `{first.name} = {default!r}` (the default)")
+
+
 def resolve_parameters(notebook, params: Mapping | None = None,
                        spec: NotebookSpec | None = None, *, preflight: bool = True) -> Resolved:
     """Check ``params`` against the notebook before anything runs.
@@ -403,6 +423,7 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     """
     spec = notebook_spec(notebook) if spec is None else spec
     params = dict(params or {})
+    _check_declares_every_field(notebook, spec)
     check_parameters(notebook, params, spec.declared)
     defaults = {k: v for k, v in spec.defaults.items() if k not in RESERVED}
     merged = apply_params(defaults, params)

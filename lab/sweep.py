@@ -704,6 +704,11 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
     return out
 
 
+# How a stale run's reason starts when the directory holds another run (copied or renamed
+# into place): that reason is the whole message, not "not what the protocol asks now".
+MISPLACED = "its record's run_id is"
+
+
 def stale_runs(protocol: Protocol) -> dict[str, str]:
     """run_id -> why, for each recorded run of ``protocol`` that is not what the protocol
     asks now: its whole resolved config (the notebook's defaults included, as a sweep
@@ -723,6 +728,15 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
         record = _read_record(Path(protocol.out) / spec.run_id)
         if record is None:
             continue  # missing or unreadable: reported as such elsewhere
+        if record.get("run_id", spec.run_id) != spec.run_id:
+            # A run copied or renamed into place: its values differ for that reason, so
+            # name it (as the analysis does) rather than the values.
+            stale[spec.run_id] = (f"{MISPLACED} {record['run_id']!r}, not "
+                                  f"{spec.run_id!r}, the run the protocol expects in this "
+                                  "directory (a run copied or renamed into place?): move it "
+                                  "to a directory named after its run_id, or replace it "
+                                  "(`lab sweep --force`)")
+            continue
         params = _run_params(spec, nb.declared, _threads(protocol, protocol.workers, record))
         resolved = resolve_parameters(protocol.notebook, params, nb, preflight=False)
         there = records.another_trainers(record, resolved.kind)
@@ -750,8 +764,8 @@ def mark_stale(runs, specs: list[RunSpec], why: dict[str, str] | None = None):
     for run_id, reason in why.items():
         at = runs["run_id"] == run_id
         runs.loc[at, "status"] = "stale"
-        runs.loc[at, "error"] = (f"it is not what the protocol asks now ({reason}): rerun with "
-                                 "`lab sweep --force`")
+        runs.loc[at, "error"] = reason if reason.startswith(MISPLACED) else (
+            f"it is not what the protocol asks now ({reason}): rerun with `lab sweep --force`")
     return runs
 
 

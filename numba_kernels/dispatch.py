@@ -372,10 +372,16 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, out=None,  # noqa: E741
     differ in the last bits from those into a separate ``out`` (the compiler takes
     the loop's scalar version for aliased memory; the sums, and so matched's
     ``.used``, add in another order): bit for bit run to run only for the same
-    aliasing. Range: the gain alone is checked against the dtype; a g*C that
-    overflows, or a signal whose square does (squares are formed in the input dtype and
-    summed in float64: in float32 any |x| above about 1.8e19), gives inf / NaN, as in the
-    reference; matched's row is then NaN.
+    aliasing. Precision of the sums: the squares are formed in the input dtype; the CPU
+    kernel adds them in the input dtype within chunks of up to ``cpu.CHUNK`` units of a
+    row, then the chunks and rows in float64 (float32 inputs: relative error about 1e-7,
+    where the reference's float64 sum has about 1e-16; float64 inputs agree to rounding).
+    Range: the gain alone is checked against the dtype; a g*C that overflows, or a signal
+    whose square does (in float32 any |x| above about 1.8e19), gives inf / NaN, as in the
+    reference; matched's row is then NaN. A row whose squares all underflow to zero
+    (every |R| below about 2.6e-23 in float32, 1.5e-162 in float64) has ||R_e|| = 0 and is
+    sent as zero, as an all-zero row is (the reference does the same). Inputs that require grad
+    are read detached: ``.used`` carries no graph.
     """
     if backend == "auto" and type(rule) is str and rule in cpu.RULE_CODES:
         fast = _mixed_cpu_fast(I, h, C, gain, P, b, cpu.RULE_CODES[rule], out)
@@ -661,7 +667,12 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
 
 
 def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
-    """``dst += src`` in place (same shape, dtype and device; dst contiguous); returns dst."""
+    """``dst += src`` in place (same shape, dtype and device; dst contiguous); returns dst.
+
+    Not differentiable: a ``src`` that requires grad is read detached (no graph reaches
+    it through dst); a ``dst`` that requires grad is refused outside ``torch.no_grad()``,
+    as torch refuses in-place writes to a leaf that requires grad.
+    """
     if backend == "auto":
         views = _cpu_views(dst, src)
         if (views is not None and views[0].shape == views[1].shape

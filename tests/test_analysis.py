@@ -133,6 +133,15 @@ def test_a_run_copied_into_another_runs_directory_is_named(fixture_copy):
         "copied or renamed into place?): move it to a directory named after its run_id, or "
         "replace it (`lab sweep --force`)"))]
     assert str(err.value).startswith("1 run records could not be read")
+    # `lab runs PROTOCOL` says the same (it read the values as changed: "stale (epochs: ...)")
+    from lab.cli import runs_table
+
+    table, _ = runs_table(fixture_copy / "protocol.yaml")
+    row = table[table["dir"] == there.name].iloc[0]
+    assert row["status"] == "stale" and row["error"] == (
+        "its record's run_id is 'lr-0.2_rule-bp_seed-0', not 'lr-0.2_rule-bp_seed-1', the run "
+        "the protocol expects in this directory (a run copied or renamed into place?): move "
+        "it to a directory named after its run_id, or replace it (`lab sweep --force`)")
 
 
 def test_missing_runs_directory_lists_every_run(fixture_copy):

@@ -749,6 +749,13 @@ def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_pat
     assert f"report: {(reports / 'fixture.my-summary.html').resolve()}" in capsys.readouterr().out
     assert sorted(p.name for p in reports.iterdir() if not p.name.startswith(".")) == [
         "fixture", "fixture.html", "fixture.my-summary", "fixture.my-summary.html"]
+    # --runs elsewhere: reported, with a note that its values were not checked
+    shutil.copytree(fixture / "runs", tmp_path / "elsewhere")
+    assert cli_main(["report", protocol, "--runs", str(tmp_path / "elsewhere"), "--out",
+                     str(tmp_path / "r3")]) == 0
+    assert (f"note: --runs {tmp_path / 'elsewhere'} is not the protocol's out "
+            f"({fixture / 'runs'}): its runs are checked for presence and completeness, not "
+            "against the protocol's values") in capsys.readouterr().err
     # --runs naming no directory is refused before anything executes
     assert cli_main(["report", protocol, "--runs", str(tmp_path / "nope"), "--out",
                      str(tmp_path / "r2")]) == 2
@@ -1314,11 +1321,15 @@ def test_lab_runs_marks_each_row_for_the_directory_it_shows(tmp_path):
     assert not unreadable
     rows = {d: (rid, status, error) for d, rid, status, error in
             zip(table["dir"], table["run_id"], table["status"], table["error"])}
-    # Directory seed-1 holds the seed-0 run: seed 0 there, 1 asked there now.
+    # Directory seed-1 holds the seed-0 run: named as such (it said "seed: 0 there vs 1
+    # now ... rerun with --force", which would replace a good run).
     assert rows[b.name][:2] == ("lr-0.05_rule-bp_seed-0", "stale")
-    assert "(seed: 0 there vs 1 now" in rows[b.name][2]
+    assert rows[b.name][2].startswith("its record's run_id is 'lr-0.05_rule-bp_seed-0', not "
+                                      "'lr-0.05_rule-bp_seed-1', the run the protocol expects "
+                                      "in this directory (a run copied or renamed into place?)")
     assert rows[a.name][:2] == ("lr-0.05_rule-bp_seed-1", "stale")
-    assert "(seed: 1 there vs 0 now" in rows[a.name][2]
+    assert rows[a.name][2].startswith("its record's run_id is 'lr-0.05_rule-bp_seed-1', not "
+                                      "'lr-0.05_rule-bp_seed-0'")
     assert [rows[d][1] for d in ("lr-0.2_rule-bp_seed-0", "lr-0.2_rule-bp_seed-1")] == \
         ["complete", "complete"]
     assert "missing" not in set(table["status"])
@@ -1331,10 +1342,10 @@ def test_lab_runs_prints_a_cut_message_whole_below_the_table(tmp_path, capsys):
     assert cli_main(["runs", protocol]) == 0
     out = capsys.readouterr().out
     table, _, below = out.partition("\n2 message(s) in full:\n")
-    assert " [...]" in table and "seed: 0 there vs 1 now" not in table
+    assert " [...]" in table and "copied or renamed into place" not in table
     assert below.splitlines() == [f"  lr-0.05_rule-bp_seed-0: {why[b.name]}",
                                   f"  lr-0.05_rule-bp_seed-1: {why[a.name]}"]
-    assert "(seed: 0 there vs 1 now" in below
+    assert "(a run copied or renamed into place?)" in below
 
 
 def test_run_given_a_directory_as_notebook_says_it_is_one(tmp_path, capsys, no_kernel):

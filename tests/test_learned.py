@@ -164,8 +164,11 @@ def test_events_follow_pert_every_and_the_warmup(name, warm):
 @pytest.mark.parametrize("name", ["lhfa", "sdil"])
 def test_state_round_trip_resumes_exactly(name):
     model, x, y = smooth_net()
-    params = {"pert_directions": 2, "pert_every": 1}
+    params = {"pert_directions": 2, "pert_every": 1, "calibration_batch": 4}
+    if name == "sdil":  # the traffic gains, calibrated on the four examples
+        params.update(traffic_calibration_examples=4, predictor_batch=4)
     rule = make_rule(name, model, params, seed=0)
+    rule.prepare(x, y)
     rule.compute_gradients(x, y, 0)
     twin_model = copy.deepcopy(model)
     twin = make_rule(name, twin_model, params, seed=0)

@@ -513,6 +513,31 @@ def test_a_computed_default_is_refused_naming_the_cell(tmp_path, no_kernel):
     assert resolve_parameters(path, {"epochs": 2}).config["epochs"] == 2
 
 
+def test_a_parameters_cell_missing_a_config_field_is_refused_before_a_kernel(
+        tmp_path, no_kernel, capsys):
+    # The field fell back to its class default in the pre-check, so the run started, and
+    # the kernel's config_from failed: a failed run left behind, exit 1.
+    nb = nbformat.read(TRAIN, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source = re.sub(r"(?m)^grad_clip = .*\n", "", cell.source)
+    assert "grad_clip" not in cell.source
+    path = tmp_path / "removed.ipynb"
+    nbformat.write(nb, str(path))
+    message = (rf"notebook {re.escape(str(path))}: its parameters cell does not declare "
+               r"ConvConfig field\(s\) grad_clip \(its config class, named in its metadata "
+               r"'lab_config'\); .*declare every field there, e.g. `grad_clip = 0.0` "
+               r"\(the default\)")
+    with pytest.raises(ParameterError, match=message):
+        resolve_parameters(path, {"n_train": 256})
+    # Given as a parameter, the same answer (not "does not declare parameter 'grad_clip'").
+    with pytest.raises(ParameterError, match=message):
+        resolve_parameters(path, {"grad_clip": 0.5})
+    out = tmp_path / "run"
+    assert cli_main(["run", str(path), "--out", str(out)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("notebook", ["01-train-conv", "02-train-ep-transformer",
                                       "03-train-cfc-aux"])

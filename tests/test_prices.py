@@ -177,8 +177,20 @@ def test_nan_and_non_positive_prices():
 def test_csv_without_the_named_column(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("date,close\n1,2\n")
-    with pytest.raises(DataError, match=r"has no column 'price'; its columns are: date, close"):
+    with pytest.raises(DataError, match=r"has no column 'price'; its columns are: 'date', "
+                                         r"'close'$"):
         csv_prices(path, "price")
+    # A semicolon-separated file reads as one column: say so.
+    path.write_text("date;close\n1;2\n")
+    with pytest.raises(DataError, match=r"has no column 'close'; its columns are: 'date;close'"
+                                         r"; it reads as one column: the file looks separated "
+                                         r"by ';', and lab reads comma-separated CSV"):
+        csv_prices(path, "close")
+    # A name with spaces around it: the spaces are visible, and named.
+    path.write_text("date, close \n1,2\n")
+    with pytest.raises(DataError, match=r"its columns are: 'date', ' close '; one is 'close' "
+                                         r"with spaces around it"):
+        csv_prices(path, "close")
     with pytest.raises(DataError, match=r"does not exist"):
         csv_prices(tmp_path / "missing.csv", "close")
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_rule_contracts import SIX
 
 from lab.config import ConfigError
 from lab.diagnostics.alignment import alignment, backprop_reference
@@ -472,7 +473,8 @@ def test_nodepert_leaves_norm_statistics_alone():
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_alignment_is_complete_and_leaves_state(name):
     model, x = _model("resnet2d")
-    rule = make_rule(name, model, seed=0)
+    rule = make_rule(name, model, SIX.get(name, {}), seed=0)
+    rule.prepare(x, Y)  # the traffic gains (kp_traffic, sdil), lhfa's warm-up
     rule.compute_gradients(x, Y, 0)  # lazily built state (shapes, projections)
     model.zero_grad(set_to_none=True)
     params = {n: p.clone() for n, p in model.named_parameters()}
@@ -963,6 +965,31 @@ def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
     finally:
         RULES.pop("scaled_bp", None)
         sys.modules.pop("readme_rule", None)
+
+
+def test_the_readme_recipe_for_ones_own_model_trains_and_detaches():
+    # The README's "Your own model" block, as written there: prepare, ten kp steps that
+    # move the weights, then detach() leaves a model whose backward is autograd's.
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Your own model"):readme.index("### Your own rule")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "rule.prepare(x, y)" in code
+    namespace: dict = {}
+    torch.manual_seed(0)
+    exec(compile(code, "README.md", "exec"), namespace)
+    model, x, y = namespace["model"], namespace["x"], namespace["y"]
+    assert math.isfinite(float(namespace["loss"]))
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    mine = [p.grad.clone() for p in model.parameters()]
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    grads = torch.autograd.grad(F.cross_entropy(reference(x), y), list(reference.parameters()))
+    for a, b in zip(mine, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_bp_refuses_a_model_left_with_another_rules_feedback():

@@ -517,3 +517,50 @@ def test_calibrated_gains_hold_the_ratio_and_refuse_leaving_the_dtype():
         calibrated_gains("kp_traffic", 1e4, [1.0, 1e80], [1.0, 1e-40], torch.float32)
     assert calibrated_gains("kp_traffic", 1e4, [1.0, 1e80], [1.0, 1e-40],
                             torch.float64)[1] == pytest.approx(1e64, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["kp_traffic", "sdil"])
+def test_a_training_step_before_the_gains_are_calibrated_is_refused(name):
+    """Uncalibrated, every gain is 0: no traffic, a silent clean-KP run. A training step
+    (step given) is refused until ``prepare``; a diagnostic call (step None), a ratio of 0
+    and gains set by hand are not."""
+    x, y = _batch(1)
+    calibration = {"traffic_calibration_examples": len(y), "predictor_warmup_steps": 0}
+    if name == "sdil":
+        calibration.update(a_warmup_steps=0, pert_directions=2)
+    model, rule = _setup(name, calibration)
+    rule.compute_gradients(x, y, None)  # a diagnostic call: allowed
+    with pytest.raises(RuntimeError, match=rf"{name}: the traffic gains are not calibrated "
+                       r"\(all 0, so no traffic would mix in although "
+                       r"rule_params.traffic_ratio=4.0\): call rule.prepare\(x, y\)"):
+        rule.compute_gradients(x, y, 0)
+    rule.prepare(x, y)
+    assert min(rule.gains) > 0
+    rule.compute_gradients(x, y, 0)
+    # no traffic asked for: nothing to calibrate
+    model, rule = _setup(name, {**calibration, "traffic_ratio": 0.0})
+    rule.compute_gradients(x, y, 0)
+    # gains set by hand are taken as they are
+    model, rule = _setup(name, calibration)
+    rule.gains = [0.5] * len(rule.gains)
+    rule.compute_gradients(x, y, 0)
+
+
+@pytest.mark.parametrize("normalization", ["batchnorm", "none"])
+def test_kp_traffic_in_eval_mode_is_refused_where_its_step_needs_batch_statistics(
+        normalization):
+    x, y = _batch(1)
+    model, rule = _setup("kp_traffic", {"traffic_calibration_examples": len(y),
+                                        "predictor_warmup_steps": 0},
+                         normalization=normalization)
+    rule.prepare(x, y)
+    model.eval()
+    if normalization == "none":  # no batch statistics: eval mode changes nothing
+        rule.compute_gradients(x, y, 0)
+        return
+    with pytest.raises(RuntimeError, match=r"kp_traffic: the model is in eval mode; its fused "
+                       r"local step is the backward of batch normalisation with the batch's "
+                       r"own statistics.*call model.train\(\) before compute_gradients"):
+        rule.compute_gradients(x, y, 0)
+    model.train()
+    rule.compute_gradients(x, y, 0)

@@ -115,8 +115,18 @@ def csv_prices(path: str | Path, column: str) -> np.ndarray:
                         f"{', '.join(header)}), so column={column!r} is ambiguous; rename "
                         "them so that one column holds the prices")
     if column not in frame.columns:
+        names = [str(name) for name in frame.columns]
+        hint = ""
+        separators = [sep for sep in ";\t|" if len(names) == 1 and sep in names[0]]
+        if separators:
+            hint = (f"; it reads as one column: the file looks separated by "
+                    f"{separators[0]!r}, and lab reads comma-separated CSV (convert it, e.g. "
+                    f"pd.read_csv(path, sep={separators[0]!r}).to_csv(new_path, index=False))")
+        elif any(name.strip() == column for name in names):
+            hint = (f"; one is {column!r} with spaces around it: strip the header's names "
+                    f"or give column as written")
         raise DataError(f"price CSV {str(path)!r} has no column {column!r}; its columns are: "
-                        f"{', '.join(map(str, frame.columns))}")
+                        f"{', '.join(map(repr, names))}{hint}")
     raw = frame[column]
     values = pd.to_numeric(raw, errors="coerce")
     # Coercion turns text into NaN; a cell that held something and is NaN now was not a

@@ -75,7 +75,14 @@ from .common import Segments, derive_seed, full_fp32, output_error
 from .feedback import FeedbackAlignment, check_supported
 from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below, pert_sigma_field
 from .registry import register
-from .traffic import SIGNALS, TRAFFIC_RATIO_MAX, _conv_weight_grad, apical_rms, calibrated_gains
+from .traffic import (
+    SIGNALS,
+    TRAFFIC_RATIO_MAX,
+    _conv_weight_grad,
+    apical_rms,
+    calibrated_gains,
+    check_calibrated,
+)
 
 
 def _need_resnet(model, name):
@@ -386,6 +393,8 @@ class SDIL(Rule):
         self.numels = [0] * n
 
     def compute_gradients(self, x, y, step, record=False):
+        if step is not None:  # a training step (a diagnostic call may probe shapes first)
+            check_calibrated(self, self.gain_examples)
         segments = Segments()
         logits = self.model(x, tap=segments)  # (B, K)
         hs = [h.detach() for h in segments.outputs]

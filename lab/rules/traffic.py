@@ -268,6 +268,15 @@ class KolenPollackTraffic(KolenPollack):
         self.summed_steps = 0
 
     def compute_gradients(self, x, y, step, record=False):
+        if step is not None:  # a training step (a diagnostic call may probe shapes first)
+            check_calibrated(self, self.calibration_examples)
+        if self.model.training is False and any(p.batchnorm is not None
+                                                for p in self.producers):
+            raise RuntimeError(
+                "kp_traffic: the model is in eval mode; its fused local step is the backward "
+                "of batch normalisation with the batch's own statistics, which eval mode does "
+                "not compute (it normalises with the running ones): call model.train() "
+                "before compute_gradients")
         self.refresh()
         rec = _Step()
         teaching: dict[int, torch.Tensor] | None = {} if record else None
@@ -532,6 +541,23 @@ def calibrated_gains(rule: str, ratio: float, ss_i: list, ss_ch: list, dtype) ->
                 f"to {g:.3g} (RMS(I) / RMS(C h) = {math.sqrt(ss_i[i] / ss_ch[i]):.3g}), beyond "
                 f"{dtype}'s range; use a smaller traffic_ratio")
     return gains
+
+
+def check_calibrated(rule, examples: int) -> None:
+    """Refuse a step before ``prepare`` calibrated the traffic gains.
+
+    Uncalibrated, every gain is 0: no traffic at all, and the step would be clean
+    KP while ``traffic_ratio`` asks for traffic (and the logged RMS would say 0).
+    ``examples``: how many examples the gains were calibrated on (0: never). Gains
+    set by hand (any non-zero) are taken as they are.
+    """
+    ratio = rule.params.traffic_ratio
+    if examples == 0 and ratio > 0 and not any(rule.gains):
+        raise RuntimeError(
+            f"{rule.name}: the traffic gains are not calibrated (all 0, so no traffic would "
+            f"mix in although rule_params.traffic_ratio={ratio}): call rule.prepare(x, y) "
+            f"with training examples and their labels before the first step (lab's "
+            f"trainers do; a resumed run restores the gains through load_state_dict)")
 
 
 def apical_rms(names: list[str], sums: dict, numels: list[int]) -> dict:

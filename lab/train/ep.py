@@ -673,15 +673,19 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
             probe = tuple(t.to(run.device) for t in eval_windows(
                 run.corpus.train, config.seq_len, config.batch_size))
             life.baseline(evaluate(run.model, probe, config.batch_size))
+        diverged = False
         for step in life.rows():
             if not life.log(train_step(run, step)):
+                diverged = True  # the record says why (a non-finite drift or loss)
                 break
         final = _evaluate_both(run)
         steps = len(life.rows_logged)
         final["skipped_steps"] = run.governor.skipped
         # Steps EP actually updated on: 0 means the record holds only the twin's learning.
         final["ep_updates"] = steps - run.governor.skipped
-        if steps and final["ep_updates"] == 0:
+        # (A diverged run's last step is skipped too, its drift not finite: no advice on
+        # drift_bound for that, the divergence message says what happened.)
+        if steps and final["ep_updates"] == 0 and not diverged:
             warnings.warn(f"EP never updated: the drift governor skipped all {steps} steps "
                           f"(drift above drift_bound={config.drift_bound}); only the BP twin "
                           "learned. Lower beta, or raise drift_bound", stacklevel=2)
