@@ -197,7 +197,8 @@ def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure
     grouped = table.groupby("rule", sort=True)[metric]
     stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=False)
     xs = range(len(stats))
-    ax.bar(xs, 100 * stats["mean"], yerr=100 * stats["std"].fillna(0), capsize=3, alpha=0.7)
+    # A rule with one seed has no std: NaN draws no error bar (0 drew one, as if no spread).
+    ax.bar(xs, 100 * stats["mean"], yerr=100 * stats["std"], capsize=3, alpha=0.7)
     for x, rule in zip(xs, stats.index):
         values = table.loc[table["rule"] == rule, metric]
         ax.plot([x] * len(values), 100 * values, "k.", markersize=4)

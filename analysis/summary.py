@@ -180,7 +180,8 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     than two significant digits: then it has 3 significant figures (``0.9998 ± 3.6e-05``,
     not ``± 0.0000``); a mean that small likewise (``1.4e-09 ± 2.83e-10``, not a
     nonzero mean shown as ``0.0000``). A metric with fewer values than runs in its
-    group (NaN left out, see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``; an
+    group (NaN left out, see :func:`summarize`) reads ``0.2170 (1 of 2 runs)``, a group
+    of one run ``0.2170 (1 run: no std)``; an
     infinite value reads ``inf (no std: a value is infinite)``, +inf and -inf in one
     group ``undefined: +inf and -inf among the values``.
 
@@ -213,7 +214,11 @@ def format_mean_std(summary: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
         cells = []
         for m, s, k, n in zip(summary[column], std, counts, summary["n"]):
             cell = _cell(float(m), float(s), int(k), digits)
-            cells.append(cell if k == n else f"{cell} ({k} of {n} runs)")
+            if k != n:
+                cell = f"{cell} ({k} of {n} runs)"
+            elif n == 1 and not math.isnan(float(m)):  # a mean alone read as a mean over seeds
+                cell = f"{cell} (1 run: no std)"
+            cells.append(cell)
         out[metric] = cells
     out["n"] = summary["n"]
     return out

@@ -403,8 +403,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         if root.is_dir() else []
     others = []
     if expected is not None:  # a protocol's runs are exactly <out>/<run_id>
-        others = sorted(d.name for d in dirs if d.parent == root and d.name not in set(expected)
-                        and not records.MOVED_ASIDE.search(d.name))
+        others = _not_in_protocol(root, expected)
         dirs = [d for d in dirs if d.parent == root and d.name in set(expected)]
     runs, unreadable = _run_rows(dirs)
     runs = _with_starting(runs, root, expected)
@@ -449,6 +448,26 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     return table, bad
 
 
+def _not_in_protocol(root: Path, expected) -> list[str]:
+    """Run directories right in a protocol's out that it does not ask for (a grid value
+    removed since, another protocol's); runs moved aside by --force are not counted."""
+    from . import records
+
+    if not root.is_dir():
+        return []
+    wanted = set(expected)
+    return sorted(p.parent.name for p in root.glob(f"*/{records.RECORD_FILE}")
+                  if p.parent.name not in wanted and not records.MOVED_ASIDE.search(p.parent.name))
+
+
+def _not_in_protocol_note(others: list[str]) -> str:
+    one = len(others) == 1
+    return (f"{len(others)} run director{'y' if one else 'ies'} in the protocol's out "
+            f"{'is' if one else 'are'} not among its runs ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}): a grid value removed since, or another "
+            "protocol's? `lab runs` on the directory lists them")
+
+
 def _runs(args) -> int:
     from .records import MOVED_ASIDE, RecordError
     from .sweep import ProtocolError
@@ -476,10 +495,7 @@ def _runs(args) -> int:
                 print(f"  {run_id}: " + "\n    ".join(text.splitlines()))
     others = table.attrs.get("not_in_protocol", [])
     if others:
-        print(f"\n{len(others)} run director{'y' if len(others) == 1 else 'ies'} in the "
-              f"protocol's out {'is' if len(others) == 1 else 'are'} not among its runs "
-              f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): a grid value "
-              "removed since, or another protocol's? `lab runs` on the directory lists them")
+        print(f"\n{_not_in_protocol_note(others)}")
     # A run --force moved aside was replaced on purpose (often because it was broken):
     # shown, but it does not make the listing fail.
     old = [(w, r) for w, r in unreadable if MOVED_ASIDE.search(Path(w).name)]
@@ -613,6 +629,10 @@ def _report(args) -> int:
                     f"{len(stale)} run(s) of {protocol.source} are not what the protocol asks "
                     "now, so no report was made (rerun them with `lab sweep --force`):\n"
                     + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
+            others = _not_in_protocol(Path(protocol.out), run_ids)
+            if others:  # as `lab runs PROTOCOL` says; the report reads only the protocol's
+                print(f"note: {_not_in_protocol_note(others)}; the report leaves "
+                      f"{'it' if len(others) == 1 else 'them'} out", file=sys.stderr)
         # absolute: the executed report says which protocol file made it, wherever from
         params = {"protocol": str(Path(protocol.source).resolve())}
         if args.runs:

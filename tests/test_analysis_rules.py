@@ -50,6 +50,26 @@ def test_accuracy_bars_show_each_rules_mean_spread_and_seeds(runs):
         assert sorted(line.get_ydata()) == pytest.approx(sorted(100 * accs), abs=1e-9)
 
 
+def test_accuracy_bars_error_bars_are_each_rules_std_and_absent_for_one_seed(runs):
+    # A rule with one seed had a zero-width error bar drawn, as if its seeds agreed.
+    _, table, _ = runs
+    one = table[~((table["rule"] == "dfa") & (table["config.seed"] == 1))]
+    ax = compare.accuracy_bars(one).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    from matplotlib.container import ErrorbarContainer
+
+    errorbar = next(c for c in ax.containers if isinstance(c, ErrorbarContainer))
+    segments = errorbar.lines[2][0].get_segments()
+    drawn = [seg for seg in segments if len(seg)]  # (NaN yerr: an empty segment, or none)
+    expected = [100 * one.loc[one["rule"] == rule, "final.test_acc"].std() for rule in labels
+                if rule != "dfa"]
+    assert len(drawn) == 2 == len(expected)
+    for seg, std in zip(drawn, expected):
+        assert seg[1][1] - seg[0][1] == pytest.approx(2 * std, rel=1e-9)  # mean -+ std
+    xs = {int(round(seg[0][0])) for seg in drawn}
+    assert labels.index("dfa") not in xs
+
+
 def test_alignment_per_layer_over_epochs_is_the_seed_mean(runs):
     _, table, metrics = runs
     frame = compare.per_name_over_epochs(metrics, table, "alignment/update_cos/")

@@ -744,7 +744,12 @@ def test_report_of_another_notebook_does_not_overwrite_the_protocols_own(tmp_pat
     shutil.copy(summary, other)
     reports = tmp_path / "reports"
     protocol = str(fixture / "protocol.yaml")
+    # A run of an older grid in the protocol's out: left out of the report, and said so.
+    shutil.copytree(fixture / "runs" / "lr-0.05_rule-bp_seed-0", fixture / "runs" / "lr-0.5")
     assert cli_main(["report", protocol, "--out", str(reports)]) == 0
+    assert ("note: 1 run directory in the protocol's out is not among its runs (lr-0.5): a "
+            "grid value removed since, or another protocol's? `lab runs` on the directory "
+            "lists them; the report leaves it out") in capsys.readouterr().err
     assert cli_main(["report", protocol, "--notebook", str(other), "--out", str(reports)]) == 0
     assert f"report: {(reports / 'fixture.my-summary.html').resolve()}" in capsys.readouterr().out
     assert sorted(p.name for p in reports.iterdir() if not p.name.startswith(".")) == [
