@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 import sys
 import types
@@ -241,9 +242,13 @@ def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) ->
 def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:
     """Raise ConfigError if ``value`` breaks the field's type or constraint."""
     if not _type_ok(value, annotation):
+        kind = type(value)
+        # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
+        label = (f"numpy.{kind.__name__}" if kind.__module__.split(".")[0] == "numpy"
+                 else kind.__name__)
         raise ConfigError(
             f"{owner}.{name} must be {_type_name(annotation)}, got {value!r} "
-            f"({type(value).__name__}){_type_hint(value, annotation)}"
+            f"({label}){_type_hint(value, annotation)}"
         )
     if "choices" in metadata and value not in metadata["choices"]:
         allowed = ", ".join(repr(c) for c in metadata["choices"])
@@ -304,27 +309,46 @@ def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
 
 
 def plain_number(value: Any, annotation: Any) -> Any:
-    """A numpy integer or floating scalar as the Python int or float the field takes.
+    """A numpy integer, floating or bool scalar as the Python int, float or bool the field
+    takes.
 
     Grids built with numpy (``np.arange``, ``np.linspace``) hand over numpy scalars; a
-    config stores Python numbers so records and run hashes stay plain JSON. Anything
-    else, numpy bools included, is returned as it is, for ``check_field`` to judge.
+    config stores Python numbers so records and run hashes stay plain JSON. A numpy
+    scalar the field does not take as a Python value (a numpy bool where an int belongs)
+    is returned as it is, for ``check_field`` to judge.
     """
-    if isinstance(value, np.integer):
-        plain = int(value)
-    elif isinstance(value, np.floating):
-        plain = float(value)
-    else:
+    plain = _python_scalar(value)
+    if plain is value:
         return value
     return plain if _type_ok(plain, annotation) else value
+
+
+def _python_scalar(value: Any) -> Any:
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
+def _plain_items(value: tuple) -> tuple:
+    """A tuple's numpy scalars (nested tuples' too) as Python numbers: a config holding
+    them stores them, and a checkpoint that pickles numpy scalars cannot be read back
+    with ``torch.load(weights_only=True)`` (the run could never resume)."""
+    items = tuple(_plain_items(v) if isinstance(v, tuple) else _python_scalar(v)
+                  for v in value)
+    return value if all(a is b for a, b in zip(items, value)) else items
 
 
 def validate(config: Any) -> None:
     """Check every field of a dataclass instance; call from ``__post_init__``.
 
-    A numpy number where an int or float belongs is stored as the Python number
-    (``plain_number``), and a list where a tuple belongs as the tuple (a record or a
-    YAML file holds it as a list), also in frozen dataclasses.
+    A numpy number where an int, float or bool belongs is stored as the Python number
+    (``plain_number``; so are the numpy numbers inside a tuple), a list where a tuple
+    belongs as the tuple (a record or a YAML file holds it as a list), and a
+    ``pathlib.Path`` where text belongs as its text, also in frozen dataclasses.
     """
     owner = type(config).__name__
     hints = typing.get_type_hints(type(config))
@@ -334,6 +358,13 @@ def validate(config: Any) -> None:
         if isinstance(plain, list) and _accepts(hints[f.name], tuple) \
                 and not _accepts(hints[f.name], list):
             plain = tuple(plain)  # YAML and JSON records carry a tuple as a list
+        if isinstance(plain, tuple):
+            plain = _plain_items(plain)
+        if isinstance(plain, os.PathLike) and _accepts(hints[f.name], str) \
+                and not _accepts(hints[f.name], os.PathLike):
+            plain = os.fspath(plain)  # a data path given as a pathlib.Path, stored as text
+            if not isinstance(plain, str):  # a bytes path: refused as what it is
+                plain = value
         if plain is not value:
             object.__setattr__(config, f.name, plain)
         check_field(owner, f.name, plain, hints[f.name], f.metadata)

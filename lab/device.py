@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import platform
 import warnings
@@ -124,6 +125,32 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
                 and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
+def keeps_threads(train):
+    """Decorate a trainer so that torch's and numba's thread counts are, after the call,
+    what they were before it (returned, raised or interrupted).
+
+    A run sets both to its ``threads``; left so, a Jupyter session that trained one run
+    at ``threads=1`` ran everything after it on one thread, and a later run with
+    ``threads=0`` (the process's count) took 1 from it, not the machine's cores.
+    """
+    @functools.wraps(train)
+    def wrapper(*args, **kwargs):
+        import numba
+
+        before = torch.get_num_threads()
+        # Reading numba's count starts its OpenMP pool, which resets torch's count: set
+        # torch's again (as numba_kernels.dispatch starts the pool).
+        numba_before = numba.get_num_threads()
+        torch.set_num_threads(before)
+        try:
+            return train(*args, **kwargs)
+        finally:
+            numba.set_num_threads(numba_before)
+            torch.set_num_threads(before)
+
+    return wrapper
 
 
 def configure_process(threads: int) -> int:

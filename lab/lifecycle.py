@@ -214,9 +214,10 @@ def _differences(then: dict, now: dict, sep: str) -> str:
                     for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
 
 
-def check_start(config, cls: type, out_dir, *, caller: str) -> None:
+def check_start(config, cls: type, out_dir, *, caller: str, run_id=None) -> None:
     """What every trainer checks before it makes anything: a config of its class, a run
-    directory it can write, and what the data decides (``config.preflight()``)."""
+    directory it can write, a run id that is text, and what the data decides
+    (``config.preflight()``)."""
     if not isinstance(config, cls):
         raise TypeError(f"{caller} expects a config of type {cls.__name__}, got {config!r:.80} "
                         f"({type(config).__name__}); build one with {cls.__name__}(...) or "
@@ -226,6 +227,9 @@ def check_start(config, cls: type, out_dir, *, caller: str) -> None:
             raise TypeError(f"{caller} out_dir={out_dir!r}: give the run directory as a path "
                             "(str or pathlib.Path), or None to train in memory")
         runlock.check_run_dir(run_path(out_dir))
+    if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
+        raise TypeError(f"{caller} run_id={run_id!r}: give the run's id as non-blank text, or "
+                        "None for the run directory's name")
     config.preflight()
 
 

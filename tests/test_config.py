@@ -102,10 +102,30 @@ def test_numpy_numbers_are_stored_as_python_numbers():
 
 
 @pytest.mark.parametrize("value, kind", [
-    (np.bool_(True), "bool"), (True, "bool"), (np.float64(2.5), "float64")])
+    (np.bool_(True), "numpy.bool"), (True, "bool"), (np.float64(2.5), "numpy.float64")])
 def test_numpy_bools_and_fractions_are_still_refused_for_ints(value, kind):
-    with pytest.raises(ConfigError, match=rf"ConvConfig\.epochs must be int, got .*\({kind}"):
+    # (numpy's types named as numpy's: np.bool_ read "(bool)", as if a bool were refused)
+    with pytest.raises(ConfigError, match=rf"ConvConfig\.epochs must be int, got .*\({kind}\)"):
         ConvConfig(epochs=value)
+
+
+def test_numpy_bools_paths_and_numbers_in_tuples_are_stored_as_python_values():
+    from pathlib import Path
+
+    from lab.train import CfCAuxConfig, EPConfig
+
+    config = ConvConfig(progress=np.bool_(False), data_dir=Path("/tmp/somewhere"))
+    assert config.progress is False and config.data_dir == "/tmp/somewhere"
+    assert type(config.data_dir) is str
+    assert EPConfig(text_path=Path("/tmp/t.txt")).text_path == "/tmp/t.txt"
+    # numpy ints inside a tuple: stored, they made the run's checkpoint unreadable with
+    # torch.load(weights_only=True), so the run could never resume
+    cfc = CfCAuxConfig(horizons=(np.int64(1), np.int64(5), np.int64(20)))
+    assert cfc.horizons == (1, 5, 20) and all(type(h) is int for h in cfc.horizons)
+    assert cfc == CfCAuxConfig(horizons=(1, 5, 20))
+    with pytest.raises(ConfigError, match=r"CfCAuxConfig.csv_path must be str, got b'x.csv' "
+                                          r"\(bytes\)"):
+        CfCAuxConfig(csv_path=b"x.csv")
 
 
 @pytest.mark.parametrize("name", ["ConvConfig", "EPConfig", "CfCAuxConfig"])

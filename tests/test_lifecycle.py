@@ -659,3 +659,75 @@ def test_a_run_directory_under_tilde_is_the_home_one(tmp_path, monkeypatch):
     assert record["status"] == "complete" and record["run_id"] == "t"
     assert records.load_record(tmp_path / "home" / "runs" / "t")["status"] == "complete"
     assert not (tmp_path / "~").exists()
+
+
+def _three_trainers(tiny):
+    """(name, train function, config maker) of the three trainers at tiny sizes."""
+    from lab.train import CfCAuxConfig, ConvConfig, EPConfig, train_cfc_aux, train_conv, train_ep
+
+    return [
+        ("conv", train_conv, lambda **kw: ConvConfig(**{**tiny, "epochs": 1,
+                                                       "schedule": "constant", **kw})),
+        ("ep", train_ep, lambda **kw: EPConfig(d_model=8, n_layers=1, n_heads=2, seq_len=8,
+                                               batch_size=2, steps=2, warmup_steps=0,
+                                               eval_every=0, cosine_every=0, progress=False,
+                                               **kw)),
+        ("cfc", train_cfc_aux, lambda **kw: CfCAuxConfig(steps=2, batch_size=4, eval_every=0,
+                                                         units=4, aux_units=4,
+                                                         backbone_units=4, enc_dim=4,
+                                                         progress=False, **kw)),
+    ]
+
+
+@pytest.mark.parametrize("which", ["conv", "ep", "cfc"])
+def test_a_trainer_leaves_the_thread_counts_as_it_found_them(which, tiny, tmp_path):
+    # A run at threads=1 left torch (and numba) on one thread for the rest of a Jupyter
+    # session, and a later threads=0 run (the process's count) took 1 from it.
+    import numba
+
+    name, train, make = next(t for t in _three_trainers(tiny) if t[0] == which)
+    saved = torch.get_num_threads(), numba.get_num_threads()
+    two = min(2, numba.config.NUMBA_NUM_THREADS)
+    try:
+        numba.set_num_threads(two)
+        torch.set_num_threads(2)
+        record = train(make(threads=1), tmp_path / "one")
+        assert record["environment"]["threads"] == 1
+        assert (torch.get_num_threads(), numba.get_num_threads()) == (2, two)
+        record = train(make(threads=0), tmp_path / "zero")
+        assert record["environment"]["threads"] == 2  # the process's, not the last run's
+        assert (torch.get_num_threads(), numba.get_num_threads()) == (2, two)
+    finally:
+        numba.set_num_threads(saved[1])
+        torch.set_num_threads(saved[0])
+
+
+def test_a_run_id_that_is_not_text_is_refused_naming_the_argument(tiny, tmp_path):
+    for name, train, make in _three_trainers(tiny):
+        for bad in (5, "", "  "):
+            with pytest.raises(TypeError, match=rf"^train_{name if name != 'cfc' else 'cfc_aux'}"
+                                                rf" run_id={bad!r}: give the run's id as "
+                                                r"non-blank text, or None"):
+                train(make(threads=1), tmp_path / name, run_id=bad)
+        assert not (tmp_path / name).exists()
+
+
+def test_numpy_horizons_resume(tmp_path, train_steps):
+    # Stored as numpy ints, the config's horizons made every checkpoint unreadable with
+    # torch.load(weights_only=True): the run could not resume, and the advice was to delete
+    # the checkpoint.
+    import numpy as np
+
+    from lab.train import CfCAuxConfig, train_cfc_aux
+
+    config = CfCAuxConfig(steps=4, batch_size=4, eval_every=0, units=4, aux_units=4,
+                          backbone_units=4, enc_dim=4, progress=False, threads=1,
+                          checkpoint_every=2, horizons=(np.int64(1), np.int64(5), np.int64(20)))
+    from lab.train import cfc_aux
+
+    train_steps(cfc_aux, stop_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        train_cfc_aux(config, tmp_path / "r")
+    assert (tmp_path / "r" / CHECKPOINT).exists()
+    train_steps(cfc_aux)
+    assert train_cfc_aux(config, tmp_path / "r")["status"] == "complete"

@@ -75,6 +75,7 @@ from ..device import (
     check_fits,
     check_threads,
     configure_process,
+    keeps_threads,
     resolve_device,
     seeded,
     sync,
@@ -500,6 +501,7 @@ def expectation(config: CfCAuxConfig) -> Expectation:
                        final=("val_loss", "val_acc"))
 
 
+@keeps_threads
 def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
                   run_id: str | None = None) -> dict:
     """Train per ``config``; returns the run record with its rows under ``steps``.
@@ -507,7 +509,8 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there and an interrupted run of the same config
     resumes from its last checkpoint.
     """
-    check_start(config, CfCAuxConfig, out_dir, caller="train_cfc_aux")  # before anything is made
+    check_start(config, CfCAuxConfig, out_dir, caller="train_cfc_aux",
+                run_id=run_id)  # before anything is made
     run = build_run(config)
     life = Lifecycle(kind=CfCAuxConfig.KIND, config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),

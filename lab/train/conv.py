@@ -46,6 +46,7 @@ from ..device import (
     check_fits,
     check_threads,
     configure_process,
+    keeps_threads,
     resolve_device,
     seeded,
     sync,
@@ -350,6 +351,7 @@ def expectation(config: ConvConfig) -> Expectation:
         undefined=("alignment/",) if config.alignment_every else ())
 
 
+@keeps_threads
 def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
                run_id: str | None = None) -> dict:
     """Train per ``config``; returns the run record with its rows under ``trajectory``.
@@ -357,7 +359,8 @@ def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there, and a checkpoint left by an
     interrupted run of the same config is picked up where it stopped.
     """
-    check_start(config, ConvConfig, out_dir, caller="train_conv")  # before anything is made
+    check_start(config, ConvConfig, out_dir, caller="train_conv",
+                run_id=run_id)  # before anything is made
     run = build_run(config)
     life = Lifecycle(kind=ConvConfig.KIND, config=config, expect=expectation(config),
                      parts=parts(run),

@@ -92,6 +92,7 @@ from ..device import (
     check_fits,
     check_threads,
     configure_process,
+    keeps_threads,
     resolve_device,
     seeded,
     sync,
@@ -638,6 +639,7 @@ def run_bill(config: EPConfig, model: Transformer, rows: list[dict]) -> dict:
             "cosine_ep_macs_total": cosine_total}
 
 
+@keeps_threads
 def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
              run_id: str | None = None) -> dict:
     """Train EP and its BP twin per ``config``; returns the run record (saved under out_dir).
@@ -647,7 +649,8 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
     """
     from ..lifecycle import Divergence, Lifecycle, check_start
 
-    check_start(config, EPConfig, out_dir, caller="train_ep")  # before anything is made
+    check_start(config, EPConfig, out_dir, caller="train_ep",
+                run_id=run_id)  # before anything is made
     run = build_ep(config)
     with Lifecycle(kind=EPConfig.KIND, config=config, expect=expectation(config), out_dir=out_dir,
                    run_id=run_id, device=str(run.device), parts=run.parts(),
