@@ -291,6 +291,12 @@ def _sweep(args) -> int:
     table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
     print(table.to_string(index=False, max_colwidth=80))
     print(report.summary())
+    from .sweep import expand
+
+    others = _not_in_protocol(Path(protocol.out), [spec.run_id for spec in expand(protocol)])
+    if others:  # a grid value removed since: left alone, and said so (as `lab runs` does)
+        print(f"note: {_not_in_protocol_note(others)}; the sweep leaves "
+              f"{'it' if len(others) == 1 else 'them'} alone")
     return 1 if report.failed or report.left_alone else 0
 
 

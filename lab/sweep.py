@@ -448,12 +448,20 @@ def _check_notebook(protocol: Protocol, configs: bool = True):
         spec = notebook_spec(notebook, with_class=configs)
         if configs:  # (without the class it cannot tell a run from an analysis)
             check_trains(spec)
-        overridden = {k: v for table in protocol.overrides.values() for params in
-                      table.values() for k, v in params.items()}
-        check_parameters(notebook, {**protocol.fixed, **overridden, **protocol.grid},
-                         spec.declared)
     except (NotebookError, ParameterError) as err:
         raise ProtocolError(f"protocol {protocol.source}: {err}") from None
+    # Each mapping apart, so the refusal says where the name is (and with what value).
+    places = [("Protocol.fixed", protocol.fixed), ("Protocol.grid", protocol.grid)] + [
+        (f"Protocol.overrides[{key!r}][{value!r}]", params)
+        for key, table in protocol.overrides.items() for value, params in table.items()]
+    for where, params in places:
+        try:
+            check_parameters(notebook, params, spec.declared)
+        except ParameterError as err:
+            given = ", ".join(f"{k}: {params[k]!r}" for k in params
+                              if k.split(".")[0] not in spec.declared)
+            raise ProtocolError(f"protocol {protocol.source}: {where}"
+                                f"{f' ({given})' if given else ''}: {err}") from None
     return spec
 
 

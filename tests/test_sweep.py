@@ -58,9 +58,10 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"notebook": "missing.ipynb"},
      r"notebook .*missing.ipynb does not exist; notebooks in .*: none"),
     ({"fixed": {"learning_rate": 0.1}},
-     r"does not declare parameter\(s\) 'learning_rate'; declared: x, fail_on, write_record, "
-     r"opts$"),
-    ({"grid": {"x": [1], "y": [2]}}, r"does not declare parameter\(s\) 'y'"),
+     r"Protocol.fixed \(learning_rate: 0.1\): notebook .* does not declare parameter\(s\) "
+     r"'learning_rate'; declared: x, fail_on, write_record, opts$"),
+    ({"grid": {"x": [1], "y": [2]}}, r"Protocol.grid \(y: \[2\]\): notebook .* does not "
+     r"declare parameter\(s\) 'y'"),
     ({"grid": {}}, r"Protocol.grid is empty"),
     ({"grid": {"x": []}}, r"grid values must be non-empty lists; got x: \[\]"),
     ({"grid": {"x": 3}}, r"grid values must be non-empty lists; got x: 3"),
@@ -74,7 +75,8 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"overrides": {"x": {1: 5}}}, r"overrides\['x'\]\[1\] is 5 \(int\); it must be a mapping "
      r"of parameter: value$"),
     ({"overrides": {"x": {1: {"x": 2}}}}, r"overrides\['x'\]\[1\] sets grid key\(s\) x"),
-    ({"overrides": {"x": {1: {"lr": 2}}}}, r"does not declare parameter\(s\) 'lr'"),
+    ({"overrides": {"x": {1: {"lr": 2}}}}, r"Protocol.overrides\['x'\]\[1\] \(lr: 2\): "
+     r"notebook .* does not declare parameter\(s\) 'lr'"),
     ({"fixed": {"x": 1}}, r"x are both fixed and in the grid"),
     ({"fixed": {"out_dir": "/tmp"}}, r"out_dir are set by the sweep"),
     ({"grid": {"out_dir.x": [1]}}, r"out_dir are set by the sweep"),
@@ -815,6 +817,14 @@ def test_lab_sweep_with_fewer_workers_keeps_runs_lab_runs_calls_complete(tmp_pat
     assert "2 runs, 0 executed, 2 already finished" in out and "STALE" not in out
     table, _ = runs_table(path)
     assert dict(zip(table.run_id, table.status)) == {"x-1": "complete", "x-2": "complete"}
+    # A grid value removed since: the sweep names the run it no longer covers (as lab runs).
+    fewer = write_protocol(tmp_path / "p.yaml", notebook=str(notebook), grid={"x": [1]},
+                           threads_per_run=0)
+    assert cli_main(["sweep", str(fewer), "-q", "--workers", "1"]) == 0
+    assert capsys.readouterr().out.endswith(
+        "note: 1 run directory in the protocol's out is not among its runs (x-2): a grid value "
+        "removed since, or another protocol's? `lab runs` on the directory lists them; the "
+        "sweep leaves it alone\n")
 
 
 def test_lab_runs_and_lab_sweep_agree_on_a_notebooks_own_parameters(tmp_path, monkeypatch):
