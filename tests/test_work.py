@@ -174,3 +174,57 @@ def test_every_rule_bills_the_forward_pass(name):
     assert work["macs"]["forward"] == 100 * f
     assert work["examples"] == 100 and work["forward_macs_per_example"] == f
     assert work["total_macs"] == sum(work["macs"].values())
+
+
+def _counted_macs(fn) -> int:
+    """Multiply-accumulates of every matmul and convolution ``fn`` runs, as torch's own
+    FLOP formulas count them at dispatch (2 FLOPs per MAC), independent of the bill's.
+    (A bare dispatch mode: FlopCounterMode's module tracker refuses autograd.grad on a
+    leaf population, which lhfa's calibration differentiates.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class Counter(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                Counter.flops += formula(*args, **kwargs, out_val=out)
+            return out
+
+    with Counter():
+        fn()
+    return Counter.flops // 2
+
+
+@pytest.mark.parametrize("name", ["bp", "fa", "dfa", "nodepert", "kp_traffic", "sdil", "lhfa"])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_what_a_run_bills_is_what_torch_counts(name, dims):
+    # Calibration passes (lhfa's events, kp_traffic's gains) formed every layer's
+    # weight-gradient product, then threw it away: about a fifth (lhfa) and a third
+    # (kp_traffic) of their work went unbilled. (kp bills B's update, which it copies from
+    # W's, as documented: not counted here.)
+    torch.manual_seed(0)
+    shape = (1, 40) if dims == 1 else (3, 8, 8)
+    model = ResNet(8, 4, dims=dims, in_channels=shape[0])
+    params = {"traffic_calibration_examples": 8, "predictor_warmup_steps": 1,
+              "predictor_batch": 8} if name in ("kp_traffic", "sdil") else {}
+    if name in ("lhfa", "sdil"):  # a calibration event in prepare and one at step 1
+        params.update(calibration_batch=8, pert_directions=2, pert_every=1,
+                      **({"warmup_steps": 1} if name == "lhfa" else {"a_warmup_steps": 1}))
+    rule = make_rule(name, model, params, seed=0)
+    x, y = torch.randn(8, *shape), torch.randint(0, 10, (8,))
+    layer_macs = model.layer_macs(shape)
+
+    def billed(examples):  # kp_traffic's B update is KP's, copied from W's (documented)
+        return sum(v for k, v in rule.work(layer_macs, examples).items()
+                   if k != "feedback_update")
+
+    # From a fresh rule: preparation and the first step, then one more step on its own.
+    counted = _counted_macs(lambda: (rule.prepare(x, y), rule.compute_gradients(x, y, 0)))
+    assert counted == billed(len(y))
+    first = billed(len(y))
+    assert _counted_macs(lambda: rule.compute_gradients(x, y, 1)) == billed(2 * len(y)) - first

@@ -63,6 +63,25 @@ def feedback_layer_names(model) -> list[str]:
 
 
 @contextlib.contextmanager
+def parameters_frozen(model):
+    """The model's parameters out of autograd inside: for a pass that wants only the
+    gradients at its populations (a calibration's teaching signals). With them in,
+    every layer's backward also forms its weight-gradient product, which the pass
+    throws away: work done and not billed (DESIGN: a product computed and thrown away
+    is a defect to fix, not a cost to bill). A population the pass differentiates must
+    then require grad itself (its tap returns ``h.detach().requires_grad_()`` where the
+    layers below it carry no parameter that does)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+@contextlib.contextmanager
 def full_fp32():
     """Convolutions and matmuls in full float32 inside (no TF32 on Ampere+ GPUs).
 

@@ -71,7 +71,7 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult, check_example_needs
-from .common import Segments, derive_seed, full_fp32, output_error
+from .common import Segments, derive_seed, full_fp32, output_error, parameters_frozen
 from .feedback import FeedbackAlignment, check_supported
 from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below, pert_sigma_field
 from .registry import register
@@ -195,13 +195,18 @@ class LearnedFA(FeedbackAlignment):
         hs, outs = [], {}
 
         def keep(index, h):
+            if not h.requires_grad:  # (the parameters below it are frozen for the pass)
+                h = h.detach().requires_grad_(True)
             hs.append(h)
             return h
 
         handles = [m.register_forward_hook(
             lambda mod, inp, out: outs.__setitem__(id(mod), out)) for _, m in self.layers]
         try:
-            with preserved_norm_stats(self.model), full_fp32():
+            # Parameters out of autograd: only the populations' and layer outputs'
+            # gradients are wanted, not the weight-gradient products (billed nowhere).
+            with preserved_norm_stats(self.model), full_fp32(), \
+                    parameters_frozen(self.model):
                 losses = F.cross_entropy(self.model(x, tap=keep), y, reduction="none")  # (B,)
                 grads = torch.autograd.grad(losses.sum(),
                                             hs + [outs[id(m)] for _, m in self.layers])

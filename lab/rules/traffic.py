@@ -59,7 +59,7 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .base import StepResult, check_example_needs
-from .common import derive_seed
+from .common import derive_seed, parameters_frozen
 from .feedback import KolenPollack
 from .registry import register
 
@@ -390,13 +390,11 @@ class KolenPollackTraffic(KolenPollack):
             h.register_hook(lambda g, i=index: teaching.__setitem__(i, g.detach() * len(y)))
             return h
 
-        params = [p for p in self.model.parameters()]
-        saved = [p.grad for p in params]
-        with preserved_norm_stats(self.model):
+        # Parameters out of autograd: the pass wants the teaching signals only, so no
+        # weight-gradient product is formed (and no .grad written) to be thrown away.
+        with preserved_norm_stats(self.model), parameters_frozen(self.model):
             loss = F.cross_entropy(self.model(x, tap=tap), y)
             loss.backward()
-        for p, g in zip(params, saved):
-            p.grad = g
         self._ensure_shapes(rec)
         return [rec.h[i] for i in sorted(rec.h)], [teaching[i] for i in sorted(teaching)]
 
