@@ -223,7 +223,10 @@ def test_what_a_run_bills_is_what_torch_counts(name, dims):
         return sum(v for k, v in rule.work(layer_macs, examples).items()
                    if k != "feedback_update")
 
-    # From a fresh rule: preparation and the first step, then one more step on its own.
+    # From a fresh rule (nothing run, nothing billed: kp_traffic billed its predictor's
+    # warm-up from its parameters before it ran): preparation and the first step, then
+    # one more step on its own.
+    assert billed(0) == 0
     counted = _counted_macs(lambda: (rule.prepare(x, y), rule.compute_gradients(x, y, 0)))
     assert counted == billed(len(y))
     first = billed(len(y))

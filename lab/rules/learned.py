@@ -546,8 +546,10 @@ class SDIL(Rule):
         # Per calibration example: the clean forward, e A_l, e^T R_l and the curvature e G.
         out["calibration"] = self.calibration_examples * (forward + 3 * k * units)
         out["perturbation"] = self.estimator.macs(layer_macs)
+        # The warm-up runs in prepare, after the gains' calibration: billed once it ran.
+        warmed = self.gain_examples > 0
         out["predictor_warmup"] = (self.params.predictor_warmup_steps
-                                   * self.params.predictor_batch * forward)
+                                   * self.params.predictor_batch * forward) if warmed else 0
         out["traffic_calibration"] = self.gain_examples * (forward + k * units)
         return out
 

@@ -510,8 +510,10 @@ class KolenPollackTraffic(KolenPollack):
         out = dict(super().work(layer_macs, examples))
         # Calibration: forward + KP's reverse pass (input gradients through B) per example.
         out["calibration"] = self.calibration_examples * (forward + self.feedback_macs(layer_macs))
+        # The warm-up runs in prepare, right after the calibration: billed once it ran.
+        warmed = self.calibration_examples > 0
         out["predictor_warmup"] = (self.params.predictor_warmup_steps
-                                   * self.params.predictor_batch * forward)
+                                   * self.params.predictor_batch * forward) if warmed else 0
         return out
 
     def elementwise(self, examples):
