@@ -1059,3 +1059,22 @@ def test_the_dtype_limits_themselves_are_allowed(dtype):
     make_rule("nodepert", model, {"pert_sigma": float(info.eps)})
     with pytest.raises(ConfigError, match="pert_sigma"):
         make_rule("nodepert", model, {"pert_sigma": float(info.eps) / 2})
+
+
+@pytest.mark.parametrize("dims, length, kernel, stride, padding", [
+    (1, 37, 3, 1, 1), (1, 40, 3, 2, 1), (1, 9, 5, 2, 2), (1, 4, 3, 1, 0),
+    (2, 7, 3, 1, 1), (2, 9, 3, 2, 1), (2, 5, 1, 2, 0)])
+def test_mirror_sample_counts_are_the_product_of_ones(dims, length, kernel, stride, padding):
+    # Counted index by index now (a convolution of ones each event was unbilled work):
+    # the same numbers as the product, exactly.
+    from lab.models.layers import Conv
+    from lab.rules.mirror import _sample_counts, _weight_product
+
+    conv = Conv(dims, 2, 3, kernel, stride=stride, padding=padding).double()
+    x = torch.randn(4, 2, *[length + i for i in range(dims)], dtype=torch.float64)
+    y = conv(x)
+    ones_x, ones_y = torch.ones_like(x[:1, :1]), torch.ones_like(y[:1, :1])
+    want = _weight_product(conv, ones_x, ones_y, (1, 1, *conv.weight.shape[2:]))
+    got = _sample_counts(conv, x, y, conv.weight.shape)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert got.min() >= 1  # every tap sees some real sample here

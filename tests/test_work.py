@@ -200,12 +200,14 @@ def _counted_macs(fn) -> int:
     return Counter.flops // 2
 
 
-@pytest.mark.parametrize("name", ["bp", "fa", "dfa", "nodepert", "kp_traffic", "sdil", "lhfa"])
+@pytest.mark.parametrize("name", ["bp", "fa", "dfa", "nodepert", "wm", "rrm", "kp_traffic",
+                                  "sdil", "lhfa"])
 @pytest.mark.parametrize("dims", [1, 2])
 def test_what_a_run_bills_is_what_torch_counts(name, dims):
     # Calibration passes (lhfa's events, kp_traffic's gains) formed every layer's
     # weight-gradient product, then threw it away: about a fifth (lhfa) and a third
-    # (kp_traffic) of their work went unbilled. (kp bills B's update, which it copies from
+    # (kp_traffic) of their work went unbilled; the mirrors' shape probe and padding
+    # counts were billed nowhere. (kp bills B's update, which it copies from
     # W's, as documented: not counted here.)
     torch.manual_seed(0)
     shape = (1, 40) if dims == 1 else (3, 8, 8)

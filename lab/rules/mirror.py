@@ -73,17 +73,35 @@ def _weight_product(module, x, y, weight_shape):
                           False, [0] * dims, 1, [False, True, False])[1]
 
 
-def _correlation(module, x, y, weight_shape):
+def _sample_counts(module, x, y, weight_shape):
+    """Per kernel offset, how many real (not padding) input samples a conv's output
+    positions see, (1, 1, *kernel): what one example's ``_weight_product`` of ones gives,
+    counted here index by index (no product: a convolution of ones each event was work
+    no bill named). Per dimension, offset k sees input index o * stride - padding + k
+    for each output position o; the counts of a kernel tap multiply across dimensions."""
+    counts = torch.ones((1, 1), dtype=x.dtype, device=x.device)
+    for d, kernel in enumerate(weight_shape[2:]):
+        length, positions = x.shape[2 + d], y.shape[2 + d]
+        stride, padding = module.stride[d], module.padding[d]
+        seen = [sum(0 <= o * stride - padding + k < length for o in range(positions))
+                for k in range(kernel)]
+        axis = torch.tensor(seen, dtype=x.dtype, device=x.device)
+        counts = counts.unsqueeze(-1) * axis  # (1, 1, k_0, ..., k_d)
+    return counts
+
+
+def _correlation(module, x, y, weight_shape, counts=None):
     """E-normalised corr(y, x), so that E[corr(W x, x)] = s^2 W exactly.
 
     A conv's border positions see zero padding, so each kernel offset has its
     own count of real input samples; dividing by that count (not by the number
     of positions) removes the padding's bias toward smaller edge taps.
+    ``counts``: :func:`_sample_counts`' result for these shapes, if already known.
     """
     if x.ndim == 2:
         return y.t() @ x / len(x)
-    ones_x, ones_y = torch.ones_like(x[:1, :1]), torch.ones_like(y[:1, :1])
-    counts = _weight_product(module, ones_x, ones_y, (1, 1, *weight_shape[2:]))
+    if counts is None:
+        counts = _sample_counts(module, x, y, weight_shape)
     return _weight_product(module, x, y, weight_shape) / (len(x) * counts)
 
 
@@ -97,6 +115,7 @@ class WeightMirror(FeedbackAlignment):
         super().__init__(model, params, seed=seed)
         self.input_shapes: list[tuple] | None = None
         self.events = 0
+        self._counts: dict[int, torch.Tensor] = {}  # per conv layer, _sample_counts
 
     def _capture_input_shapes(self, x):
         shapes, positions = {}, {}
@@ -133,15 +152,20 @@ class WeightMirror(FeedbackAlignment):
     @torch.no_grad()
     def mirror_event(self) -> None:
         p = self.params
-        for (_, module), b, shape, rate in zip(self.layers, self.feedback, self.input_shapes,
-                                               self.rates):
+        for index, ((_, module), b, shape, rate) in enumerate(zip(
+                self.layers, self.feedback, self.input_shapes, self.rates)):
             w = module.weight
             x = torch.randn((p.mirror_batch_size, *shape), generator=self.generator,
                             dtype=torch.float64).to(w) * p.mirror_sigma
             y = _layer_map(module, x, w)
             if self.regression:
                 y = y - _layer_map(module, x, b)
-            update = _correlation(module, x, y, w.shape) / p.mirror_sigma ** 2
+            counts = None
+            if x.ndim > 2:
+                counts = self._counts.get(index)
+                if counts is None or counts.dtype != x.dtype or counts.device != x.device:
+                    counts = self._counts[index] = _sample_counts(module, x, y, w.shape)
+            update = _correlation(module, x, y, w.shape, counts) / p.mirror_sigma ** 2
             if not self.regression:
                 b.mul_(1.0 - p.mirror_decay)
             b.add_(update, alpha=rate)
@@ -170,8 +194,12 @@ class WeightMirror(FeedbackAlignment):
         # one forward's MACs summed over the layers with a B.
         passes = 3 if self.regression else 2
         probes = self.events * self.params.mirror_batch_size
+        # Once per run (fresh or resumed): one example's forward learns the layers' input
+        # shapes, which the probes take.
+        probe = sum(layer_macs.values()) if self.input_shapes is not None else 0
         return {**super().work(layer_macs, examples),
-                "mirror": passes * self.feedback_macs(layer_macs) * probes}
+                "mirror": passes * self.feedback_macs(layer_macs) * probes,
+                "shape_probe": probe}
 
 
 @register
