@@ -179,7 +179,11 @@ def _check_run_dir(out) -> ConfigError | None:
         runlock.check_run_dir(out, "--out")
     except ConfigError as err:
         here = Path(out)
-        if not (here.is_dir() and runlock.inspect(here).status in runlock.FINISHED):
+        try:
+            finished = here.is_dir() and runlock.inspect(here).status in runlock.FINISHED
+        except OSError:  # (a name the file system refuses: the error says so)
+            finished = False
+        if not finished:
             raise
         return err
     return None

@@ -181,7 +181,15 @@ def declared_parameters(notebook) -> dict[str, dict]:
     import papermill
 
     _read(notebook)  # a clear error for a missing or broken file
-    return dict(papermill.inspect_notebook(str(notebook)))
+    return dict(papermill.inspect_notebook(_for_papermill(notebook)))
+
+
+def _for_papermill(path) -> str:
+    """``path`` as papermill should be given it: papermill reads a path that starts
+    with ``-`` as standard input (``./-nb.ipynb`` arrives as ``-nb.ipynb``), so such a
+    relative path goes absolute."""
+    text = str(path)
+    return str(Path(path).absolute()) if text.startswith("-") else text
 
 
 class Expression(str):
@@ -754,7 +762,8 @@ def _papermill(notebook: Path, target: Path, params: dict, timeout: float | None
         with _ctrl_c_watch() as seen:
             try:
                 papermill.execute_notebook(
-                    str(notebook), str(target), parameters=params, kernel_name=KERNEL,
+                    _for_papermill(notebook), _for_papermill(target), parameters=params,
+                    kernel_name=KERNEL,
                     progress_bar=False, log_output=log_output, execution_timeout=timeout,
                     extra_arguments=KERNEL_ARGS,
                     # Every output is on disk by now and run files are written atomically;

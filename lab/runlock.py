@@ -173,12 +173,21 @@ class RunLock:
 RECORD_FILE = "record.json"  # records.RECORD_FILE (records imports pandas; this stays light)
 
 
+NAME_MAX = 255  # bytes in one path part: the limit of ext4, xfs, btrfs, APFS, NTFS (chars)
+
+
 def check_writable_dir(out, name: str, purpose: str = "the run") -> None:
     """Refuse a directory that cannot be created or written, before anything runs;
     ``name`` is what the caller calls it (``--out``, ``out_dir``), ``purpose`` what the
     directory is for ("the run", "the reports")."""
     out = Path(out)
     what = f"{purpose} directory"
+    for part in out.expanduser().parts:  # (stat would fail with ENAMETOOLONG first)
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            raise ConfigError(f"{name} {str(out)[:60]}...: its part {part[:24]}... is {size} "
+                              f"bytes long, and a file system takes names of at most "
+                              f"{NAME_MAX} bytes; choose a shorter name")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{name} {out} is a file; give a directory for {purpose}")
     existing = out

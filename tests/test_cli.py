@@ -1468,3 +1468,26 @@ def test_report_with_a_training_or_missing_notebook_makes_nothing(tmp_path, caps
                      "--out", str(out)]) == 2
     assert "nope.ipynb does not exist" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_notebook_path_starting_with_a_dash_is_read_as_a_file(tmp_path, monkeypatch, capsys):
+    # papermill reads a path starting with "-" as standard input: `./-nb.ipynb` (which
+    # arrives as "-nb.ipynb") failed with a traceback, "Notebook does not appear to be JSON".
+    shutil.copy(ECHO, tmp_path / "-nb.ipynb")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["run", "./-nb.ipynb", "--out", "r", "-p", "x", "3"]) == 0
+    assert records.load_record(tmp_path / "r")["status"] == "complete"
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_an_out_with_a_name_too_long_for_the_file_system_is_refused(command, tmp_path, capsys):
+    # A part over 255 bytes: a traceback ending in "OSError: File name too long", exit 1.
+    out = tmp_path / "a" / ("n" * 300)
+    args = ["train", "--out", str(out)] if command == "train" else [
+        "run", str(ECHO), "--out", str(out)]
+    assert cli_main(args) == 2
+    err = _one_paragraph(capsys.readouterr().err)
+    assert "is 300 bytes long, and a file system takes names of at most 255 bytes; choose a " \
+           "shorter name" in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists()
