@@ -139,11 +139,11 @@ def keeps_threads(train):
     def wrapper(*args, **kwargs):
         import numba
 
+        import numba_kernels
+
         before = torch.get_num_threads()
-        # Reading numba's count starts its OpenMP pool, which resets torch's count: set
-        # torch's again (as numba_kernels.dispatch starts the pool).
+        numba_kernels.start_pool()  # (reading numba's count would start it, resetting torch's)
         numba_before = numba.get_num_threads()
-        torch.set_num_threads(before)
         try:
             return train(*args, **kwargs)
         finally:

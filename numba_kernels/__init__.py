@@ -39,6 +39,7 @@ from .dispatch import (
                         mixed_apical,
                         mixed_local,
                         predictor_update,
+                        start_pool,
 )
 from .reference import (
                         aux_add_reference,
@@ -63,4 +64,5 @@ __all__ = [
     "mixed_local_reference",
     "predictor_update",
     "predictor_update_reference",
+    "start_pool",
 ]

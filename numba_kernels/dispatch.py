@@ -200,6 +200,14 @@ def _start_pool() -> None:
     _POOL.append(True)
 
 
+def start_pool() -> None:
+    """Start numba's thread pool now, keeping torch's thread count, if no kernel call has
+    yet (the kernels do it lazily): for a caller that reads or sets numba's thread count,
+    which would start the pool without restoring torch's."""
+    if not _POOL:
+        _start_pool()
+
+
 def _form(backend: str, device: torch.device) -> str:
     """'cpu', 'cuda' or 'torch': which form runs for these tensors."""
     if backend not in BACKENDS:

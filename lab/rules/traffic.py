@@ -270,8 +270,7 @@ class KolenPollackTraffic(KolenPollack):
     def compute_gradients(self, x, y, step, record=False):
         if step is not None:  # a training step (a diagnostic call may probe shapes first)
             check_calibrated(self, self.calibration_examples)
-        if self.model.training is False and any(p.batchnorm is not None
-                                                for p in self.producers):
+        if not self.model.training and any(p.batchnorm is not None for p in self.producers):
             raise RuntimeError(
                 "kp_traffic: the model is in eval mode; its fused local step is the backward "
                 "of batch normalisation with the batch's own statistics, which eval mode does "
