@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -289,7 +290,8 @@ def _sweep(args) -> int:
         return _error(exc)
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
-        print(f"\ninterrupted; run `lab sweep {args.protocol}` again to finish the remaining "
+        print(f"\ninterrupted; run `lab sweep {shlex.quote(args.protocol)}` again to finish "
+              "the remaining "
               "runs (finished ones are kept)", file=sys.stderr)
         return 130
     table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
@@ -433,6 +435,8 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         order = {rid: i for i, rid in enumerate(expected)}
         runs = runs.sort_values("run_id", key=lambda ids: ids.map(order), kind="stable")
     base = root if expected is not None else (target.resolve() if target.is_dir() else root)
+    if expected is None and (base / records.RECORD_FILE).is_file():
+        base = base.parent  # one run given: its dir shows as its name, not "."
     runs = runs.assign(dir=[_relative(p, base) for p in runs["path"]])
     count = "n_rows" if "n_rows" in runs.columns else "n_epochs"
     # Headline finals only: nested diagnostics (final.rule/...) stay in the records and
@@ -753,6 +757,17 @@ def _user_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def _given_path(text: str) -> str:
+    """A path to read (a notebook, a protocol, runs to list), never empty: ``lab runs
+    "$DIR"`` with DIR unset would list the working directory without saying so. (A blank
+    --out is refused by the run-directory checks, with the same advice.)"""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"an empty path ({text!r}); give a path (is a shell variable unset?); . is the "
+            "working directory")
+    return _user_path(text)
+
+
 def _params_args(parser) -> None:
     parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
                         help="a parameter (value parsed as YAML; a dotted key sets one key "
@@ -778,12 +793,12 @@ def main(argv: list[str] | None = None) -> int:
     _params_args(train)
     train.set_defaults(func=_train)
     run = sub.add_parser("run", help="execute a notebook with papermill into a run directory")
-    run.add_argument("notebook", type=_user_path)
+    run.add_argument("notebook", type=_given_path)
     run.add_argument("--out", required=True, type=_user_path, help="run directory")
     _params_args(run)
     run.set_defaults(func=_run)
     sweep = sub.add_parser("sweep", help="execute a protocol's unfinished runs on Dask")
-    sweep.add_argument("protocol", type=_user_path, help="protocols/*.yaml")
+    sweep.add_argument("protocol", type=_given_path, help="protocols/*.yaml")
     sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
     sweep.add_argument("--workers", type=_workers,
                        help="local workers (default: the protocol's)")
@@ -792,11 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
     runs = sub.add_parser("runs", help="table of runs with status and final metrics")
-    runs.add_argument("target", type=_user_path,
+    runs.add_argument("target", type=_given_path,
                       help="a directory of runs, a record.json, or a protocol YAML")
     runs.set_defaults(func=_runs)
     report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
-    report.add_argument("protocol", type=_user_path)
+    report.add_argument("protocol", type=_given_path)
     report.add_argument("--notebook", type=_user_path,
                         help="analysis notebook (default: the protocol's report; "
                         "another than the protocol's writes <protocol>.<notebook>.html)")

@@ -329,7 +329,9 @@ def _python_scalar(value: Any) -> Any:
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):
-        return float(value)
+        # float32(0.1) is 0.10000000149011612 as a float: the number the researcher wrote
+        # is the shortest text that gives the float32 back (numpy's str), so that is kept
+        return float(str(value)) if value.dtype.itemsize < 8 else float(value)
     return value
 
 

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -310,6 +311,12 @@ class Lifecycle:
             self.close()
             raise
         self._session_start = time.perf_counter()  # reading the checkpoint is not training
+        if self.finished and self.progress:
+            # Called again on a finished run (a notebook cell run twice): nothing trains, and
+            # a silent return would look like a run that did nothing.
+            print(f"{self.out}: this run is already {self.record['status']} ({done} {self.axis} "
+                  f"rows); nothing to train. Its record is returned as it is (another "
+                  "out_dir starts a new run)", file=sys.stderr)
         return done
 
     def _resume(self) -> int:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import tempfile
@@ -491,16 +492,27 @@ def inspect(run_dir, *, locked: bool = False) -> RunState:
     return RunState(status, record=record)
 
 
+def _aside_name(name: str, suffix: str) -> str:
+    """``name + suffix``, within NAME_MAX bytes: a name near the limit keeps its start
+    and gets 8 hex digits of its hash, so two long names stay apart."""
+    if len(os.fsencode(name + suffix)) <= NAME_MAX:
+        return name + suffix
+    digest = "~" + hashlib.sha1(os.fsencode(name)).hexdigest()[:8]
+    room = NAME_MAX - len(os.fsencode(digest + suffix))
+    head = os.fsencode(name)[:room].decode(errors="ignore")  # whole characters only
+    return head + digest + suffix
+
+
 def move_aside(run_dir) -> Path:
     """Rename ``run_dir`` to ``<name>.old-<UTC time>`` beside it (never deletes);
     RunLocked if a live process works in it. Returns the new path."""
     run_dir = Path(run_dir).resolve()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # records.MOVED_ASIDE reads it
-    target = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    target = run_dir.with_name(_aside_name(run_dir.name, f".old-{stamp}"))
     n = 1
     while target.exists():
         n += 1
-        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+        target = run_dir.with_name(_aside_name(run_dir.name, f".old-{stamp}-{n}"))
     with acquire(run_dir):
         # The held lock file moves with the directory, so nobody starts in it meanwhile.
         run_dir.rename(target)

@@ -301,6 +301,49 @@ def test_runs_tells_live_from_interrupted_and_shows_directories(tmp_path, capsys
         holder.wait()
 
 
+def test_runs_of_one_run_names_its_directory(tmp_path, capsys):
+    # `lab runs RUN_DIR` (or its record.json) showed "." as the run's dir.
+    _record(tmp_path / "try-kp", "complete")
+    for target in (tmp_path / "try-kp", tmp_path / "try-kp" / "record.json"):
+        table, bad = runs_table(target)
+        assert list(table["dir"]) == ["try-kp"] and bad == []
+        assert cli_main(["runs", str(target)]) == 0
+        assert "try-kp" in capsys.readouterr().out.split()
+    _record(tmp_path / "other", "complete")  # a directory of runs: relative to it, as before
+    assert sorted(runs_table(tmp_path)[0]["dir"]) == ["other", "try-kp"]
+
+
+@pytest.mark.parametrize("command", [["runs", ""], ["runs", " "], ["sweep", ""],
+                                     ["report", ""], ["run", "", "--out", "x"]])
+def test_an_empty_path_to_read_is_refused(tmp_path, capsys, monkeypatch, command):
+    # `lab runs "$DIR"` with DIR unset listed the working directory without a word.
+    monkeypatch.chdir(tmp_path)
+    _record(tmp_path / "a", "complete")
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(command)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"an empty path ({command[1]!r}); give a path (is a shell variable unset?)" in err
+    assert list(tmp_path.iterdir()) == [tmp_path / "a"]
+
+
+def test_sweep_interrupted_names_a_command_to_paste(tmp_path, capsys, monkeypatch):
+    # The resume hint after Ctrl-C must survive a copy-paste: a path with a space is quoted.
+    import lab.sweep
+
+    protocol = tmp_path / "my protocols" / "p.yaml"
+    protocol.parent.mkdir()
+    protocol.write_text("x")
+    monkeypatch.setattr(lab.sweep, "load_protocol", lambda path: object())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lab.sweep, "run_sweep", interrupted)
+    assert cli_main(["sweep", str(protocol)]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"run `lab sweep '{protocol}'` again to finish the remaining runs" in err
+
+
 def test_one_unreadable_record_does_not_hide_the_table(tmp_path, capsys):
     _record(tmp_path / "a", "complete")
     _record(tmp_path / "c", "failed")

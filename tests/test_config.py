@@ -99,6 +99,15 @@ def test_numpy_numbers_are_stored_as_python_numbers():
     for value in (given.lr, given.rule_params["traffic_ratio"]):
         assert type(value) is float
     assert json.dumps(as_dict(given)) == json.dumps(as_dict(plain))
+    # float32(0.1) is 0.10000000149011612 exactly; the researcher wrote 0.1 (np.linspace
+    # in float32 hands such values over), so 0.1 is stored, as the record shows it
+    narrow = ConvConfig(lr=np.float32(0.1), momentum=np.float16(0.9), weight_decay=np.float32(
+        5e-4), rule="kp_traffic", rule_params={"traffic_ratio": np.float32(0.3)})
+    assert (narrow.lr, narrow.momentum, narrow.weight_decay) == (0.1, 0.9, 5e-4)
+    assert narrow.rule_params["traffic_ratio"] == 0.3
+    assert narrow == ConvConfig(lr=0.1, momentum=0.9, weight_decay=5e-4, rule="kp_traffic",
+                                rule_params={"traffic_ratio": 0.3})
+    assert ConvConfig(lr=np.float64(0.1) + 1e-17).lr == float(np.float64(0.1) + 1e-17)
 
 
 @pytest.mark.parametrize("value, kind", [
@@ -258,10 +267,24 @@ def test_a_positive_factor_below_the_dtypes_smallest_normal_is_refused(cls, name
         assert getattr(config_cls(**{name: 1e-40}, dtype="float64"), name) == 1e-40
 
 
+@pytest.mark.parametrize("rule, default", [("nodepert", 1), ("lhfa", 4), ("sdil", 4)])
+def test_pert_directions_has_a_ceiling(rule, default):
+    # 10**12 directions passed validation, and the run hung drawing them.
+    from lab.rules.perturbation import PERT_DIRECTIONS_MAX
+
+    assert ConvConfig(rule=rule).rule_params["pert_directions"] == default
+    assert ConvConfig(rule=rule, rule_params={"pert_directions": PERT_DIRECTIONS_MAX}) \
+        .rule_params["pert_directions"] == PERT_DIRECTIONS_MAX
+    with pytest.raises(ConfigError, match=re.escape(
+            f"rule_params.pert_directions={10**12} is out of range; allowed: [1, "
+            f"{PERT_DIRECTIONS_MAX}]")):
+        ConvConfig(rule=rule, rule_params={"pert_directions": 10**12})
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"width": 2**70}, "ConvConfig.width"), ({"epochs": 2**63}, "ConvConfig.epochs"),
-    ({"rule": "nodepert", "rule_params": {"pert_directions": 2**70}},
-     "rule_params.pert_directions")])
+    ({"rule": "wm", "rule_params": {"mirror_batch_size": 2**70}},
+     "rule_params.mirror_batch_size")])
 def test_a_count_beyond_int64_is_refused(kwargs, field):
     with pytest.raises(ConfigError, match=re.escape(
             f"{field}={2**70 if 'epochs' not in field else 2**63} is out of range (beyond a "

@@ -228,6 +228,25 @@ def test_finished_run_is_returned_untouched_and_another_config_refused(tmp_path)
     assert (tmp_path / "r" / "record.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_finished_run_called_again_says_so(tmp_path, capsys, checkpoint):
+    # A notebook cell run twice returned the finished run without a word, progress or not.
+    config = SyntheticConfig(steps=6, progress=True)
+    train_synthetic(config, tmp_path / "r")
+    if not checkpoint:
+        (tmp_path / "r" / CHECKPOINT).unlink()
+    capsys.readouterr()
+    again = train_synthetic(config, tmp_path / "r")
+    err = " ".join(capsys.readouterr().err.split())
+    assert again["status"] == "complete"
+    assert (f"{tmp_path / 'r'}: this run is already complete (6 step rows); nothing to train. "
+            "Its record is returned as it is (another out_dir starts a new run)") in err
+    train_synthetic(SyntheticConfig(steps=6, progress=False), tmp_path / "q")
+    capsys.readouterr()
+    train_synthetic(SyntheticConfig(steps=6, progress=False), tmp_path / "q")
+    assert capsys.readouterr().err == ""  # progress=False: quiet, as asked
+
+
 def test_a_second_process_cannot_enter_a_locked_run(tmp_path):
     from lab.runlock import RunLocked, acquire
 

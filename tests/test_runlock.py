@@ -127,6 +127,29 @@ def test_move_aside_keeps_the_old_run(tmp_path, other_holder):
     assert (run_dir / records.RECORD_FILE).exists()
 
 
+@pytest.mark.parametrize("name", ["r" * 250, "é" * 125, "r" * 230 + "é" * 12])
+def test_move_aside_keeps_a_long_name_within_the_limit(tmp_path, name):
+    # A run named near the 255-byte limit: ".old-<time>" would push it over (OSError:
+    # File name too long, and --force could not replace the run). Its start and a hash
+    # of the whole name are kept instead; two such moves still land apart.
+    run_dir = tmp_path / name
+    _record(run_dir, "complete")
+    moved = runlock.move_aside(run_dir)
+    _record(run_dir, "complete")
+    again = runlock.move_aside(run_dir)
+    for m in (moved, again):
+        assert len(os.fsencode(m.name)) <= runlock.NAME_MAX and m.exists()
+        assert records.MOVED_ASIDE.search(m.name) and m.name.startswith(name[:100])
+    assert again != moved and not run_dir.exists()
+    # two long names differing only at their end stay apart too
+    other = tmp_path / (name[:-1] + "x")
+    _record(other, "complete")
+    assert runlock.move_aside(other).name.split("~")[1] != moved.name.split("~")[1]
+    # a short name is unchanged
+    _record(tmp_path / "short", "complete")
+    assert runlock.move_aside(tmp_path / "short").name.startswith("short.old-")
+
+
 def test_release_survives_an_unremovable_pid_file(tmp_path):
     # A run directory made read-only mid-run: the pid file cannot be removed. The
     # release must still free the lock and must not raise (it would hide the error

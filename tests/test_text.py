@@ -104,6 +104,21 @@ def test_non_utf8_file_is_refused(tmp_path):
         load_corpus(str(path), seq_len=8)
 
 
+def test_a_byte_order_mark_is_not_a_character(tmp_path):
+    # An editor's UTF-8 BOM became token '\ufeff' of the vocabulary, seen once.
+    text = "the cat sat on the mat. " * 20
+    plain, marked = tmp_path / "plain.txt", tmp_path / "bom.txt"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes()[:3] == b"\xef\xbb\xbf"
+    a, b = load_corpus(str(plain), seq_len=8), load_corpus(str(marked), seq_len=8)
+    assert "\ufeff" not in b.vocab and b.vocab == a.vocab
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    (tmp_path / "only.txt").write_bytes(b"\xef\xbb\xbf")  # a mark and nothing else
+    with pytest.raises(TextError, match=r"only.txt' is empty; a corpus needs text"):
+        load_corpus(str(tmp_path / "only.txt"), seq_len=8)
+
+
 def test_missing_file_is_refused(tmp_path):
     with pytest.raises(TextError, match=r"nothere.txt' does not exist"):
         load_corpus(str(tmp_path / "nothere.txt"), seq_len=8)

@@ -38,14 +38,16 @@ def bundled_text() -> str:
 
 
 def read_text(path: str | Path) -> str:
-    """The contents of a UTF-8 text file; errors name the path and what is wrong."""
+    """The contents of a UTF-8 text file; errors name the path and what is wrong. A
+    byte-order mark (which some editors put first) is not text: it is dropped, or it
+    would become a character of the vocabulary."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise TextError(f"text file {str(path)!r} does not exist (or is not a file); "
                         "name a UTF-8 text file, or use '' for the bundled corpus")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise TextError(f"text file {str(path)!r} is not valid UTF-8: byte {err.start} "
                         f"({raw[err.start:err.start + 1]!r}) cannot be decoded; re-encode the "

@@ -73,7 +73,14 @@ from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult, check_example_needs
 from .common import Segments, derive_seed, full_fp32, output_error, parameters_frozen
 from .feedback import FeedbackAlignment, check_supported
-from .perturbation import BASES, DIFFERENCES, PerturbationEstimator, below, pert_sigma_field
+from .perturbation import (
+    BASES,
+    DIFFERENCES,
+    PerturbationEstimator,
+    below,
+    pert_directions_field,
+    pert_sigma_field,
+)
 from .registry import register
 from .traffic import (
     SIGNALS,
@@ -121,7 +128,7 @@ class LHFAParams:
     feedback_seed: int = bounded(0, 0, SEED_MAX)
     pert_sigma: float = pert_sigma_field()
     pert_every: int = bounded(10, 1)  # optimizer steps between calibration events
-    pert_directions: int = bounded(4, 1)  # per population and event
+    pert_directions: int = pert_directions_field(4)  # per population and event
     pert_difference: str = choice("central", DIFFERENCES)
     pert_basis: str = choice("gaussian", BASES)
     # Observe each example's own loss (B scalars per pass) rather than the batch's sum:
@@ -300,7 +307,7 @@ class SDILParams:
     feedback_seed: int = bounded(0, 0, SEED_MAX)
     pert_sigma: float = pert_sigma_field()
     pert_every: int = bounded(10, 1)
-    pert_directions: int = bounded(4, 1)
+    pert_directions: int = pert_directions_field(4)
     pert_difference: str = choice("central", DIFFERENCES)
     pert_basis: str = choice("gaussian", BASES)
     pert_per_example: bool = True  # as lhfa's

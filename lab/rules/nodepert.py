@@ -30,18 +30,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import bounded, validate
+from ..config import validate
 from .base import Rule, StepResult
 from .common import Segments, check_targets, derive_seed, full_fp32
 from .feedback import check_supported
-from .perturbation import PerturbationEstimator, below, pert_sigma_field
+from .perturbation import PerturbationEstimator, below, pert_directions_field, pert_sigma_field
 from .registry import register
 
 
 @dataclass(frozen=True)
 class NodePertParams:
     pert_sigma: float = pert_sigma_field()
-    pert_directions: int = bounded(1, 1)
+    pert_directions: int = pert_directions_field(1)
 
     def __post_init__(self):
         validate(self)

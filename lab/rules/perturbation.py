@@ -68,6 +68,17 @@ BASES = ("gaussian", "orthogonal")
 PERT_SIGMA_MAX = 1.0
 
 
+# Directions per population and step (nodepert) or event (lhfa, sdil): each costs its own
+# perturbed forward passes, so thousands already make one step take as long as an epoch of
+# backprop; beyond this a typo (10**12) would only hang the run while it drew directions.
+PERT_DIRECTIONS_MAX = 4096
+
+
+def pert_directions_field(default: int):
+    """The ``pert_directions`` field of every perturbing rule's parameters."""
+    return bounded(default, 1, PERT_DIRECTIONS_MAX)
+
+
 def pert_sigma_field():
     """The ``pert_sigma`` field of every perturbing rule's parameters (a fresh Field each)."""
     return bounded(1e-3, 0.0, PERT_SIGMA_MAX, lo_open=True)
