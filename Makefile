@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 # On a GPU machine: make TORCH_SPEC='torch==2.13.0 --index-url ...' or preinstall.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-QUIET_PIP := grep -v '^WARNING: Location' || true
+# Braced, so a failed pip fails the recipe (pipefail) while grep finding nothing does not.
+QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 
 .PHONY: install demo test lint clean mutation
 

@@ -562,17 +562,34 @@ def ensure_kernel(name: str = KERNEL) -> str:
     if not ours(cmd) and sys.prefix != sys.base_prefix:
         from ipykernel.kernelspec import install
 
-        install(kernel_name=name, prefix=sys.prefix)
+        try:
+            install(kernel_name=name, prefix=sys.prefix)
+        except OSError as err:  # an install this user cannot write
+            raise NotebookError(
+                f"kernel {name!r} runs {cmd or 'nothing (no such kernel)'}, not this "
+                f"interpreter ({sys.executable}), and it could not be registered in "
+                f"{sys.prefix} ({err.strerror or err}); ask whoever owns that environment "
+                f"to run `{sys.executable} -m ipykernel install --sys-prefix --name {name}`, "
+                "or use an environment of your own") from None
         cmd = current()
     if not ours(cmd):
+        where = KernelSpecManager().find_kernel_specs().get(name)
+        found = f" (its spec: {where}"
+        if where and os.environ.get("JUPYTER_PATH"):
+            found += (f", found through JUPYTER_PATH={os.environ['JUPYTER_PATH']}, which "
+                      "comes before this environment's kernels: remove that spec or unset "
+                      "JUPYTER_PATH")
+        found = found + ")" if where else ""
         raise NotebookError(
-            f"kernel {name!r} runs {cmd or 'nothing (no such kernel)'}, not this interpreter "
-            f"({sys.executable}); register it with `{sys.executable} -m ipykernel install "
-            f"--sys-prefix --name {name}` (make install does this)")
+            f"kernel {name!r} runs {cmd or 'nothing (no such kernel)'}{found}, not this "
+            f"interpreter ({sys.executable}); register it with `{sys.executable} -m "
+            f"ipykernel install --sys-prefix --name {name}` (make install does this)")
     return cmd
 
 
 def _same_file(a: str, b: str) -> bool:
+    if a == b or os.path.realpath(a) == os.path.realpath(b):
+        return True  # (samefile must stat both: a directory this user cannot read fails)
     try:
         return os.path.samefile(a, b)
     except OSError:

@@ -22,6 +22,7 @@ import contextlib
 import math
 import warnings
 
+import numba
 import numpy as np
 import torch
 
@@ -180,6 +181,9 @@ def _flag(name: str, value) -> bool:
 
 
 _POOL = []  # holds True once numba's thread pool has been started by _start_pool
+# NUMBA_DISABLE_JIT=1 (to step through the kernels in a debugger) runs them as Python;
+# the short path's pointer intrinsic has no Python form, so the checked path serves then.
+_NO_JIT = bool(numba.config.DISABLE_JIT)
 
 
 def _start_pool() -> None:
@@ -318,7 +322,7 @@ def _mixed_cpu_fast(I, h, C, gain, P, b, code: int, out):  # noqa: E741
     """
     # A bool is no gain; abs() < inf is False for NaN and inf and, unlike isfinite, never
     # overflows on a huge int (the dtype check below sends that to the checked path).
-    if type(gain) not in (float, int) or not abs(gain) < math.inf:
+    if type(gain) not in (float, int) or not abs(gain) < math.inf or _NO_JIT:
         return None
     try:
         dt, shape = h.dtype, h.shape

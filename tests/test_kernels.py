@@ -765,3 +765,46 @@ def test_the_kernels_leave_torchs_thread_count_as_set():
     run = subprocess.run([sys.executable, "-c", KEEP_TORCH_THREADS], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "NUMBA_NUM_THREADS": "2"})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+NO_JIT = """
+import torch
+import numba_kernels as nk
+
+g = torch.Generator().manual_seed(3)
+r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+for shape in [(3, 5), (2, 3, 2, 2)]:
+    u = shape[1:]
+    I, h, C, P, b = r(*shape), r(*shape).relu(), r(*u), r(*u), r(*u)
+    for rule in nk.RULES:
+        got = nk.mixed_apical(I, h, C, 0.7, P, b, rule)
+        ref = nk.mixed_apical(I, h, C, 0.7, P, b, rule, backend="torch")
+        assert torch.allclose(got.used, ref.used, rtol=1e-12, atol=1e-12), rule
+        assert torch.allclose(got.sums, ref.sums, rtol=1e-12), rule
+    o = r(*shape)
+    mean, invstd, gamma = r(shape[1]), r(shape[1]).abs() + 0.5, r(shape[1])
+    for rule in nk.LOCAL_RULES:
+        kw = dict(mean=mean, invstd=invstd, gamma=gamma, scale=0.5, instruction=True)
+        got = nk.mixed_local(I, h, o, C, 0.7, P, b, rule, **kw)
+        ref = nk.mixed_local(I, h, o, C, 0.7, P, b, rule, **kw, backend="torch")
+        assert torch.allclose(got.grad, ref.grad, rtol=1e-10, atol=1e-12), rule
+        assert torch.allclose(got.instruction_grad, ref.instruction_grad, rtol=1e-10,
+                              atol=1e-12), rule
+dst = r(4, 6)
+want = dst + 2 * dst
+assert torch.equal(nk.aux_add(dst, 2 * dst), want)
+print("ok")
+"""
+
+
+def test_the_kernels_run_with_numbas_jit_disabled():
+    # NUMBA_DISABLE_JIT=1 (stepping through kernels in a debugger) crashed every
+    # kp_traffic, lhfa and sdil step: the short path's pointer intrinsic has no Python
+    # form ("<intrinsic _pointer> is not usable in pure-python"). The kernels then run
+    # as Python, through the checked path, and agree with the torch reference.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", NO_JIT], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "NUMBA_DISABLE_JIT": "1"})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -320,6 +320,63 @@ def test_kernel_spec_points_at_this_interpreter():
     assert cmd in ("python", "python3") or os.path.samefile(cmd, sys.executable)
 
 
+def _foreign_kernel(tmp_path, monkeypatch) -> Path:
+    spec = tmp_path / "jp" / "kernels" / "python3" / "kernel.json"
+    spec.parent.mkdir(parents=True)
+    spec.write_text(json.dumps({"argv": ["/usr/bin/python3", "-m", "ipykernel_launcher", "-f",
+                                         "{connection_file}"], "display_name": "other",
+                                "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jp"))
+    return spec
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment")
+def test_a_kernel_found_through_jupyter_path_is_named(tmp_path, monkeypatch):
+    # A foreign "python3" spec on JUPYTER_PATH wins over the venv's: the advice to
+    # register the venv's kernel changed nothing, and the message did not say where the
+    # foreign spec was.
+    import ipykernel.kernelspec
+
+    spec = _foreign_kernel(tmp_path, monkeypatch)
+    installs = []
+    monkeypatch.setattr(ipykernel.kernelspec, "install", lambda **kw: installs.append(kw))
+    with pytest.raises(NotebookError) as err:
+        ensure_kernel.__wrapped__()  # (ensure_kernel is cached per process)
+    text = " ".join(str(err.value).split())
+    assert installs == [{"kernel_name": "python3", "prefix": sys.prefix}]
+    assert f"kernel 'python3' runs /usr/bin/python3 (its spec: {spec.parent}, found through " \
+           f"JUPYTER_PATH={tmp_path / 'jp'}, which comes before this environment's kernels: " \
+           "remove that spec or unset JUPYTER_PATH), not this interpreter" in text
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment")
+def test_a_kernel_that_cannot_be_registered_is_explained(tmp_path, monkeypatch):
+    # Registering into an environment this user cannot write raised a bare PermissionError.
+    import ipykernel.kernelspec
+
+    _foreign_kernel(tmp_path, monkeypatch)
+
+    def refused(**kw):
+        raise PermissionError(13, "Permission denied", "kernel.json")
+    monkeypatch.setattr(ipykernel.kernelspec, "install", refused)
+    with pytest.raises(NotebookError) as err:
+        ensure_kernel.__wrapped__()
+    text = " ".join(str(err.value).split())
+    assert f"not this interpreter ({sys.executable}), and it could not be registered in " \
+           f"{sys.prefix} (Permission denied); ask whoever owns that environment to run " \
+           f"`{sys.executable} -m ipykernel install --sys-prefix --name python3`" in text
+
+
+def test_same_file_needs_no_stat_for_the_same_path(tmp_path):
+    from lab.notebook import _same_file
+
+    ghost = str(tmp_path / "gone" / "python")  # cannot be stat-ed (as under a 0700 home)
+    assert _same_file(ghost, ghost) and not _same_file(ghost, sys.executable)
+    link = tmp_path / "py"
+    link.symlink_to(sys.executable)
+    assert _same_file(str(link), sys.executable)
+
+
 def test_cli_run_without_the_venv_on_path(tmp_path):
     # A bare PATH: the kernel must still be this venv's interpreter.
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
