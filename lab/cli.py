@@ -411,8 +411,7 @@ def runs_table(target) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     else:
         root = target
     root = root.resolve()
-    dirs = sorted(p.parent for p in root.glob(f"**/{records.RECORD_FILE}")) \
-        if root.is_dir() else []
+    dirs = [p.parent for p in records.find_records(root)] if root.is_dir() else []
     others = []
     if expected is not None:  # a protocol's runs are exactly <out>/<run_id>
         others = _not_in_protocol(root, expected)

@@ -337,7 +337,10 @@ class Lifecycle:
                 self.record["notebook_params"] = old["notebook_params"]
         ckpt = self.out / CHECKPOINT
         if ckpt.exists():
-            state = self._read_checkpoint(ckpt)
+            # A checkpoint says "finished" for the directory only where the record agrees (or
+            # is gone): one copied in from a finished run is that file's story, not the run's.
+            state = self._read_checkpoint(ckpt, record_finished=old is None or old.get(
+                "status") in ("complete", "diverged"))
             for name, part in self.parts.items():
                 _load(part, state["parts"][name])
             done, self._baseline = state["rows"], state["baseline"]
@@ -466,29 +469,43 @@ class Lifecycle:
                 "would mix two datasets in one run. Restore the data the run began with, or "
                 "use another output directory (or move this one aside) to start afresh")
 
-    def _read_checkpoint(self, path: Path) -> dict:
+    def _read_checkpoint(self, path: Path, record_finished: bool = True) -> dict:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises several types for a damaged file
+            why = str(exc) or ("the file is empty or cut short" if isinstance(exc, EOFError)
+                               else "no detail given")
             raise CheckpointError(
-                f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); delete it "
+                f"checkpoint {path} cannot be read ({type(exc).__name__}: {why}); delete it "
                 "to start the run afresh") from None
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(
                 f"checkpoint {path} was written by an older lab (format "
                 f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this lab reads "
                 f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
-        status = state.get("status")
-        if "identity" in state:
-            self._refuse_different(state["identity"], CHECKPOINT,
-                                   status if status in ("complete", "diverged") else None)
-        self._refuse_other_data(state.get("data"), CHECKPOINT,
-                                status if status in ("complete", "diverged") else None)
-        missing = sorted(set(self.parts) - set(state.get("parts", {})))
-        if missing or "identity" not in state:
+        # Whose it is comes first: another trainer's config differs in every field.
+        there = state.get("kind")  # (checkpoints written before it was kept hold none)
+        if isinstance(there, str) and there != self.kind:
             raise CheckpointError(
+                f"checkpoint {path} was written by a {there!r} run; this trainer makes "
+                f"{self.kind!r} runs. Delete it (or give another output directory) to start "
+                "afresh")
+        missing = sorted(set(self.parts) - set(state.get("parts", {})))
+
+        def lacking():
+            return CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing) or 'its config'}; it was not "
                 "written by this trainer. Delete it to start the run afresh")
+        # An older checkpoint names no kind: missing parts are then the sign of another
+        # trainer's, said before a config comparison that would list every field.
+        if "identity" not in state or (missing and there is None):
+            raise lacking()
+        status = state.get("status")
+        finished = status if status in ("complete", "diverged") and record_finished else None
+        self._refuse_different(state["identity"], CHECKPOINT, finished)
+        self._refuse_other_data(state.get("data"), CHECKPOINT, finished)
+        if missing:
+            raise lacking()
         return state
 
     # -- rows -----------------------------------------------------------------
@@ -541,7 +558,8 @@ class Lifecycle:
             records.write_part(self.out, self.axis, self.pending, start)
         done = start + len(self.pending)
         if checkpoint:
-            state = {"format": CHECKPOINT_FORMAT, "identity": identity(self.config_dict),
+            state = {"format": CHECKPOINT_FORMAT, "kind": self.kind,
+                     "identity": identity(self.config_dict),
                      "rows": done, "baseline": self._baseline, "status": self.status,
                      "error": self.error, "data": self.data, "wall_s": self._wall,
                      "parts": {name: _state(part) for name, part in self.parts.items()}}

@@ -884,6 +884,10 @@ def mark_failed(run_dir, run_id: str, config: Mapping, error: str) -> dict:
     return record
 
 
+# Errors a trainer raises before it touches its run directory (lab.lifecycle's refusals).
+REFUSALS = ("CheckpointError",)
+
+
 def _trainers(out: Path) -> bool:
     """Whether ``out``'s record is a trainer's (not a plain notebook's, not unreadable)."""
     try:
@@ -895,10 +899,15 @@ def _trainers(out: Path) -> bool:
 def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: str | None,
                    started: float) -> tuple[str, str | None]:
     """Bring record.json in line with how the notebook ended; returns (status, error)."""
+    path = out / records.RECORD_FILE
     if error is not None:
+        if error.split(":", 1)[0] in REFUSALS and path.exists() \
+                and path.stat().st_mtime < started:
+            # The trainer refused to start (a foreign or damaged checkpoint): it touched
+            # nothing, and an interrupted run stays resumable once the cause is removed.
+            return "failed", error
         mark_failed(out, run_id, config, error)
         return "failed", error
-    path = out / records.RECORD_FILE
     if not path.exists() or (path.stat().st_mtime < started and not _trainers(out)):
         # A notebook that trains nothing still leaves a record (replacing one
         # from an earlier attempt, whose creation time it keeps), so sweeps of it

@@ -888,6 +888,31 @@ def tidy_metrics(record) -> pd.DataFrame:
     return _tidy_frame(rows)
 
 
+def find_records(root) -> list[Path]:
+    """Every record.json under the directory ``root`` (its own included), sorted.
+
+    Symlinked directories are followed, as the sweep and the report follow them (a run
+    moved to another disk and linked back is still a run here; ``Path.glob("**")`` does
+    not follow them on Python 3.11), and each directory is read once, so a link to a
+    parent cannot loop.
+    """
+    found, seen = [], set()
+    for here, dirs, files in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(here)
+        except OSError:  # a dangling or unreadable link
+            dirs[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs.sort()  # the first of two links to one directory is the one kept
+        if RECORD_FILE in files:
+            found.append(Path(here) / RECORD_FILE)
+    return sorted(found)
+
+
 def _record_paths(root, include_old: bool = False) -> list[Path]:
     root = Path(root)
     if root.is_file() and root.name == RECORD_FILE:  # one run's record, as `lab runs` takes
@@ -896,7 +921,7 @@ def _record_paths(root, include_old: bool = False) -> list[Path]:
         what = "a file, not a directory" if root.exists() else "no such directory"
         raise FileNotFoundError(f"{root}: {what}; give a directory of runs or a run's "
                                 f"{RECORD_FILE}")
-    paths = sorted(root.glob(f"**/{RECORD_FILE}"))
+    paths = find_records(root)
     if include_old:
         return paths
     # A run moved aside by --force (<run>.old-<time>) keeps its run_id: counted with

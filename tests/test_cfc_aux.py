@@ -6,6 +6,7 @@ update, a hand replay of the loop, the record's final metrics and bill, the chec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -884,3 +885,24 @@ def test_the_weight_floor_is_at_most_the_models_weights(kwargs):
     # A lower bound (default mode's heads hold four rows per unit, counted as one), but
     # within a factor of three of the weights, so a memory check on it is no formality.
     assert count / 3 <= config.weight_floor() <= count
+
+
+def test_the_recorded_csv_hash_is_of_the_prices_trained_on(tmp_path, monkeypatch):
+    # As for EP's text: the CSV was read at build time and hashed again at start.
+    from lab.data.identity import FileChanged, read_unchanged
+    from lab.train import cfc_aux
+
+    path = tmp_path / "p.csv"
+    path.write_text("close\n" + "\n".join(f"{100 + (i % 7) * 0.5:.2f}" for i in range(400)))
+    ident, text = read_unchanged(path, path.read_text)
+    assert ident["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    read = cfc_aux.load_prices
+
+    def read_then_replace(config):
+        prices = read(config)
+        path.write_text(path.read_text().replace("100.00", "999.99"))
+        return prices
+    monkeypatch.setattr(cfc_aux, "load_prices", read_then_replace)
+    config = cfc_aux.CfCAuxConfig(source="csv", csv_path=str(path), column="close")
+    with pytest.raises(FileChanged, match=f"data file {path} changed while this run read it"):
+        cfc_aux.build_run(config)

@@ -344,6 +344,24 @@ def test_sweep_interrupted_names_a_command_to_paste(tmp_path, capsys, monkeypatc
     assert f"run `lab sweep '{protocol}'` again to finish the remaining runs" in err
 
 
+def test_a_run_linked_in_from_elsewhere_is_listed(tmp_path, capsys):
+    # A run moved to another disk and symlinked back was left out of `lab runs DIR`,
+    # load_runs and load_metrics (Path.glob("**") follows no links on 3.11), while the
+    # sweep and the report counted it. A link to a parent must not loop.
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    _record(runs / "a", "complete")
+    _record(elsewhere / "b", "complete")
+    (runs / "b").symlink_to(elsewhere / "b", target_is_directory=True)
+    (runs / "a" / "up").symlink_to(runs, target_is_directory=True)  # a loop
+    (runs / "gone").symlink_to(tmp_path / "nothing")  # dangling
+    assert [p.parent.name for p in records.find_records(runs)] == ["a", "b"]
+    table, bad = runs_table(runs)
+    assert list(table["dir"]) == ["a", "b"] and list(table["status"]) == ["complete"] * 2
+    assert sorted(records.load_runs(runs)["run_id"]) == ["a", "b"]
+    assert cli_main(["runs", str(runs)]) == 0
+    assert {"a", "b"} <= set(capsys.readouterr().out.split())
+
+
 def test_one_unreadable_record_does_not_hide_the_table(tmp_path, capsys):
     _record(tmp_path / "a", "complete")
     _record(tmp_path / "c", "failed")

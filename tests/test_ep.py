@@ -1020,3 +1020,25 @@ def test_the_weight_floor_is_at_most_the_models_weights(kwargs):
     # 10-character vocabulary's embedding and read-out.
     D, L, m = config.d_model, config.n_layers, config.mlp_ratio
     assert count - config.weight_floor() == L * (9 + m) * D + 2 * D + 2 * 10 * D + 10
+
+
+def test_the_recorded_text_hash_is_of_the_text_trained_on(tmp_path, monkeypatch):
+    # The text was read at build time and hashed again for the record at start: a file
+    # replaced in between was recorded as the new content while the run trained on the old.
+    from lab.data.identity import FileChanged, file_identity
+
+    path = tmp_path / "t.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    record = train_ep(_tiny(text_path=str(path), steps=2, eval_every=1, cosine_every=1,
+                            warmup_steps=0), tmp_path / "ok")
+    assert record["data"]["text"] == file_identity(path)
+    read = ep_module.load_corpus
+
+    def read_then_replace(*args, **kwargs):
+        corpus = read(*args, **kwargs)
+        path.write_text(path.read_text()[::-1])  # same size, other content
+        return corpus
+    monkeypatch.setattr(ep_module, "load_corpus", read_then_replace)
+    with pytest.raises(FileChanged, match=f"data file {path} changed while this run read it"):
+        train_ep(_tiny(text_path=str(path)), tmp_path / "r")
+    assert not (tmp_path / "r" / "record.json").exists()

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import time
 import warnings
@@ -134,6 +135,57 @@ def test_resume_refuses_another_config_but_not_a_display_flag(tmp_path):
                         tmp_path / "r")
 
 
+def _interrupted_synthetic(run_dir, steps=30):
+    _interrupt(SyntheticConfig(steps=steps, checkpoint_every=5), run_dir, after=12)
+    assert records.load_record(run_dir)["status"] == "running"  # (no one holds it)
+
+
+def test_a_checkpoint_copied_from_elsewhere_is_blamed_not_the_run(tmp_path):
+    # An interrupted run given a finished run's checkpoint (another config) was called "a
+    # complete run with a different config"; the record says otherwise: the file is foreign.
+    train_synthetic(SyntheticConfig(steps=20, checkpoint_every=5), tmp_path / "done")
+    _interrupted_synthetic(tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).write_bytes((tmp_path / "done" / CHECKPOINT).read_bytes())
+    before = (tmp_path / "r" / "record.json").read_bytes()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tmp_path / 'r' / CHECKPOINT} belongs to a run with a different config (steps: "
+            "20 there vs 30 now)")):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5), tmp_path / "r")
+    assert (tmp_path / "r" / "record.json").read_bytes() == before
+    # the finished run itself, asked with another config, still says what it holds
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tmp_path / 'done'} holds a complete run with a different config (steps: 20 "
+            "there vs 30 now); nothing was changed")):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5), tmp_path / "done")
+
+
+def test_another_trainers_checkpoint_is_named_as_such(tmp_path):
+    # A CfC checkpoint in an EP run listed some 55 differing fields.
+    other = Lifecycle(kind="cfc_aux", config=SyntheticConfig(steps=30), parts={},
+                      expect=Expectation("step", 30), out_dir=tmp_path / "x", progress=False,
+                      checkpoint_every=5)
+    with other:
+        other.start()
+        for _ in range(6):
+            other.log({"train_loss": 1.0})
+        other.close()
+    _interrupted_synthetic(tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).write_bytes((tmp_path / "x" / CHECKPOINT).read_bytes())
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {tmp_path / 'r' / CHECKPOINT} was written by a 'cfc_aux' run; this "
+            "trainer makes 'synthetic' runs")):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5), tmp_path / "r")
+
+
+def test_an_empty_checkpoint_says_so(tmp_path):
+    _interrupted_synthetic(tmp_path / "r")
+    (tmp_path / "r" / CHECKPOINT).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {tmp_path / 'r' / CHECKPOINT} cannot be read (EOFError: the file is "
+            "empty or cut short); delete it to start the run afresh")):
+        train_synthetic(SyntheticConfig(steps=30, checkpoint_every=5), tmp_path / "r")
+
+
 def test_display_only_change_resumes(tmp_path):
     config = SyntheticConfig(steps=40, checkpoint_every=5)
     full = train_synthetic(config, tmp_path / "ref")
@@ -180,8 +232,8 @@ def _interrupt(config, out, after):
 def test_checkpoint_holds_state_and_a_count_not_the_rows(tmp_path):
     train_synthetic(SyntheticConfig(steps=25, checkpoint_every=10), tmp_path / "r")
     state = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
-    assert set(state) == {"format", "identity", "rows", "baseline", "status", "error", "parts",
-                          "data", "wall_s"}
+    assert set(state) == {"format", "kind", "identity", "rows", "baseline", "status", "error",
+                          "parts", "data", "wall_s"}
     assert state["rows"] == 25 and set(state["parts"]) == {"weights", "generator"}
     # One part per save: rows 0-10, 10-20, 20-25.
     names = sorted(p.name for p in (tmp_path / "r" / "rows" / "step").iterdir())

@@ -865,3 +865,28 @@ def test_socket_dirs_of_killed_processes_are_removed_by_the_next_kernel(tmp_path
     assert alive.exists() and other.exists()
     assert Path(km._socket_dir).parent == tmp_path
     assert Path(km._socket_dir).name.startswith(f"lab-kernel-{os.getpid()}-")
+
+
+def test_a_trainers_refusal_leaves_the_run_as_it_was(tmp_path):
+    # A foreign checkpoint in an interrupted run: the trainer refuses before touching it,
+    # so the run must stay interrupted (resumable once the file is removed), not "failed".
+    from lab.lifecycle import CHECKPOINT
+    from lab.notebook import _settle_record
+    from lab.train.synthetic import SyntheticConfig, train_synthetic
+
+    run = tmp_path / "r"
+    train_synthetic(SyntheticConfig(steps=10, checkpoint_every=5), run)
+    record = records.load_record(run, rows=False)
+    record["status"] = "running"  # as a killed run leaves it
+    records.save_run(run, record)
+    (run / CHECKPOINT).unlink()
+    before = (run / records.RECORD_FILE).read_bytes()
+    started = time.time() + 1  # the kernel started after the record was last written
+    error = f"CheckpointError: checkpoint {run / CHECKPOINT} cannot be read (...)"
+    assert _settle_record(run, "r", {}, {}, error, started) == ("failed", error)
+    assert (run / records.RECORD_FILE).read_bytes() == before
+    # any other error, or a refusal after the trainer wrote its record, marks it failed
+    for err, at in (("ValueError: broken", started), (error, started - 10)):
+        assert _settle_record(run, "r", {}, {}, err, at) == ("failed", err)
+        assert records.load_record(run, rows=False)["status"] == "failed"
+        (run / records.RECORD_FILE).write_bytes(before)

@@ -119,6 +119,38 @@ def test_a_byte_order_mark_is_not_a_character(tmp_path):
         load_corpus(str(tmp_path / "only.txt"), seq_len=8)
 
 
+@pytest.mark.parametrize("text", [
+    "the cat sat on the mat. " * 20,
+    "naïve café — Ünïcödé, 日本語 and 🐍 snakes (astral: 𝔘) " * 12,
+])
+def test_token_ids_are_each_characters_rank_in_the_sorted_vocabulary(tmp_path, text):
+    # Oracle: the direct definition (sorted distinct characters, a dict lookup per char).
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    corpus = load_corpus(str(path), seq_len=8)
+    vocab = "".join(sorted(set(text)))
+    want = torch.tensor([vocab.index(c) for c in text], dtype=torch.int64)
+    assert corpus.vocab == vocab
+    assert torch.equal(torch.cat([corpus.train, corpus.val]), want)
+    assert corpus.train.dtype == torch.int64 and corpus.decode(want[:20]) == text[:20]
+
+
+def test_a_text_too_large_for_memory_is_refused_in_words(tmp_path, monkeypatch):
+    # A 240 MB file ended in a raw "can't allocate memory" traceback from the tokenizer.
+    import numpy as np
+
+    path = tmp_path / "big.txt"
+    path.write_text("abc " * 100)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+    monkeypatch.setattr(np, "unique", no_memory)
+    with pytest.raises(TextError, match=re.escape(
+            f"text {str(path)!r} (400 characters) does not fit in memory to be tokenized "
+            "(about 16 bytes a character); use a smaller file")):
+        load_corpus(str(path), seq_len=8)
+
+
 def test_missing_file_is_refused(tmp_path):
     with pytest.raises(TextError, match=r"nothere.txt' does not exist"):
         load_corpus(str(tmp_path / "nothere.txt"), seq_len=8)

@@ -39,6 +39,30 @@ def file_identity(path: str | Path) -> dict:
     return {"path": str(path), "size": size, "sha256": digest.hexdigest()}
 
 
+class FileChanged(RuntimeError):
+    """A data file that changed while a run read it."""
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_unchanged(path: str | Path, read):
+    """``(file_identity(path), read())``, the file unchanged from before the hash to after
+    the read: the identity a run records is then that of the data it trained on (a file
+    replaced between a separate read and hash would have recorded the new content, and a
+    rerun on it found "nothing to do"). A change in between raises FileChanged."""
+    path = Path(path).expanduser().resolve()
+    before = _stamp(path)
+    identity = file_identity(path)
+    value = read()
+    if _stamp(path) != before:
+        raise FileChanged(f"data file {path} changed while this run read it (another process "
+                          "writing it?); run again once it is written in full")
+    return identity, value
+
+
 def content_only(data):
     """A record's ``data`` without where a dataset was read from: a dataset read from a
     directory is its arrays (their sha256), so the same arrays found in another directory

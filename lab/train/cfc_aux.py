@@ -58,7 +58,7 @@ from ..config import (
     validate,
 )
 from ..data import DataError
-from ..data.identity import absolute, file_identity
+from ..data.identity import absolute, file_identity, read_unchanged
 from ..data.prices import (
     DEFAULT_SYMBOL,
     SOURCES,
@@ -236,14 +236,16 @@ def load_prices(config: CfCAuxConfig):
     return prices, f"synthetic {config.synthetic}"
 
 
-def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader) -> dict:
+def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader,
+                  csv: dict | None = None) -> dict:
     """What identifies a run's data (``record["data"]``, checked on resume): the CSV file's
     path, size and hash; the bundled vega series' symbol, length and hash (vega_datasets may
     change under an installed run); a synthetic series is fixed by the config; and the split
-    the loader actually made (the clamp can move it off ``val_fraction``)."""
+    the loader actually made (the clamp can move it off ``val_fraction``). ``csv``: the
+    CSV's identity taken as it was read (``build_run``), else it is hashed now."""
     identity = {"split": data.split_sizes()}
     if config.source == "csv":
-        identity["csv"] = file_identity(config.csv_path)
+        identity["csv"] = csv if csv is not None else file_identity(config.csv_path)
     elif config.source == "vega":
         identity["vega"] = vega_identity(config.symbol)
     return identity
@@ -364,6 +366,7 @@ class Run:
     opt_aux: torch.optim.Optimizer | None
     health: AuxHealth
     generator: torch.Generator  # batch order
+    csv: dict | None = None  # the CSV's identity, of the very bytes read (source "csv")
 
     def parts(self) -> dict:
         """What a checkpoint restores."""
@@ -378,7 +381,9 @@ def build_run(config: CfCAuxConfig) -> Run:
     """Data, encoder, trunks, heads and both optimizers, all fixed by ``config.seed``."""
     device = resolve_device(config.device)
     configure_process(config.threads)
-    prices, name = load_prices(config)
+    # A CSV is hashed as it is read: the record names the prices the run trained on.
+    csv, (prices, name) = (read_unchanged(config.csv_path, lambda: load_prices(config))
+                           if config.source == "csv" else (None, load_prices(config)))
     data = MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
                               horizons=config.horizons, main_horizon=config.main_horizon,
                               val_fraction=config.val_fraction, name=name)
@@ -402,7 +407,7 @@ def build_run(config: CfCAuxConfig) -> Run:
     opt_aux = torch.optim.Adam(aux.parameters(), lr=config.aux_lr) if aux is not None else None
     return Run(config, device, data, encoder, main, aux, opt_main, opt_aux,
                AuxHealth(len(config.horizons), config.ema_decay),
-               torch.Generator().manual_seed(config.seed))
+               torch.Generator().manual_seed(config.seed), csv)
 
 
 def forward_losses(run: Run, batch, lifted: bool) -> dict:
@@ -514,7 +519,7 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     run = build_run(config)
     life = Lifecycle(kind=CfCAuxConfig.KIND, config=config, expect=expectation(config),
                      parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),
-                     data=data_identity(config, run.data),
+                     data=data_identity(config, run.data, run.csv),
                      checkpoint_every=config.checkpoint_every,
                      divergence=Divergence(eval_keys=("val_loss",),
                                            factor=config.diverge_factor,

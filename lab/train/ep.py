@@ -79,7 +79,7 @@ from ..config import (
     known_keywords,
     validate,
 )
-from ..data.identity import absolute
+from ..data.identity import absolute, read_unchanged
 from ..data.text import (
     TextError,
     bits_per_char,
@@ -453,6 +453,7 @@ class EPRun:
     generator: torch.Generator  # batch order, shared by EP and its twin
     scratch: Transformer  # the twin's parameters, for the cosine at one state
     val: tuple  # (inputs, targets) of the validation windows, on the device
+    text: dict  # the text's identity, of the very bytes read (record["data"]["text"])
 
     def parts(self) -> dict:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
@@ -465,7 +466,11 @@ def build_ep(config: EPConfig) -> EPRun:
     """Data, model, twin, optimizers, schedules, governor, all fixed by ``config.seed``."""
     device = resolve_device(config.device)
     configure_process(config.threads)
-    corpus = load_corpus(config.text_path, seq_len=config.seq_len, val_fraction=VAL_FRACTION)
+    def read():
+        return load_corpus(config.text_path, seq_len=config.seq_len, val_fraction=VAL_FRACTION)
+    # (the bundled text changes only with Python; a user's file is hashed as it is read)
+    text, corpus = (read_unchanged(config.text_path, read) if config.text_path
+                    else (text_identity(""), read()))
     with seeded(config.seed):
         model = Transformer(corpus.vocab_size, config.seq_len, config.d_model, config.n_layers,
                             config.n_heads, config.mlp_ratio,
@@ -487,7 +492,7 @@ def build_ep(config: EPConfig) -> EPRun:
     val = tuple(t.to(device) for t in eval_windows(corpus.val, config.seq_len, n_windows))
     return EPRun(config, device, corpus, model, optimizer, _scheduler(config, optimizer), twin,
                  twin_optimizer, _scheduler(config, twin_optimizer), Governor(config),
-                 torch.Generator().manual_seed(config.seed), copy.deepcopy(model), val)
+                 torch.Generator().manual_seed(config.seed), copy.deepcopy(model), val, text)
 
 
 @torch.no_grad()
@@ -665,8 +670,7 @@ def train_ep(config: EPConfig, out_dir: str | Path | None = None, *,
                                          finite_hint=": the nudged phase overflowed (is "
                                          f"beta={config.beta!r} too large for dtype "
                                          f"{config.dtype}?)"),
-                   data={"text": text_identity(config.text_path),
-                         "split": run.corpus.split_sizes()}) as life:
+                   data={"text": run.text, "split": run.corpus.split_sizes()}) as life:
         done = life.start()
         if life.finished:
             return life.result()
