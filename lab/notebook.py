@@ -939,7 +939,7 @@ def _finish_notebook(target: Path, meta: dict) -> None:
     run's status lives in record.json)."""
     import nbformat
 
-    nb = nbformat.read(target, as_version=4)
+    nb = _read(target)
     meta["values"] = _outputs_values(nb)
     nb.metadata["lab"] = meta
     records.atomic_write(target, lambda tmp: nbformat.write(nb, str(tmp)))
@@ -1135,6 +1135,14 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
         values = read_values(target)
     except OSError as err:
         values, error = {}, _also(error, "the executed notebook could not be written", err)
+    except NotebookError as err:  # papermill's last write of it cut short: a full disk?
+        values = {}
+        error = (f"{error}\n" if error else "") + f"{err}{_disk_full(out)}"
+        import nbformat
+
+        with contextlib.suppress(OSError):  # the source in its place: readable, unexecuted
+            source = _read(notebook)
+            records.atomic_write(target, lambda tmp: nbformat.write(source, str(tmp)))
     status = "failed" if error else "complete"
     if record:
         try:
@@ -1145,10 +1153,24 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
             "status": status, "error": error}
     try:
         _finish_notebook(target, meta)
+    except NotebookError:
+        pass  # (its error is told above; a notebook that cannot be read has no metadata)
     except OSError as err:
         status, error = "failed", _also(error, "the executed notebook could not be updated", err)
     return RunResult(run_id, out, target, status, error, records.decode_nonfinite(values),
                      time.perf_counter() - start, moved_aside=moved)
+
+
+def _disk_full(where: Path) -> str:
+    """A note when the disk holding ``where`` is (nearly) full, else ""."""
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    if free >= 16 << 20:
+        return ""
+    return (f" (the disk holding {where} has {free:,} bytes free: full? Free some space and "
+            "run the same command again to resume)")
 
 
 def _also(error: str | None, what: str, err: OSError) -> str:

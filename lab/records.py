@@ -268,8 +268,12 @@ def atomic_write(path: Path, write) -> None:
         os.chmod(tmp, _FILE_MODE)
         write(Path(tmp))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno and exc.filename is None:
+            # A full disk inside torch.save or json.dump names no file: say which one
+            # (the same errno keeps the type: OSError(ENOSPC, ...), PermissionError, ...)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     _fsync_dir(path.parent)
 

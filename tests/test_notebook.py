@@ -890,3 +890,34 @@ def test_a_trainers_refusal_leaves_the_run_as_it_was(tmp_path):
         assert _settle_record(run, "r", {}, {}, err, at) == ("failed", err)
         assert records.load_record(run, rows=False)["status"] == "failed"
         (run / records.RECORD_FILE).write_bytes(before)
+
+
+def test_an_executed_notebook_cut_short_by_a_full_disk_says_so(tmp_path, monkeypatch):
+    # papermill's last write of the executed notebook, cut short by a full disk, was
+    # reported as "cannot be read as a Jupyter notebook" with exit 2 (a bad value), and
+    # the record was left "running".
+    import shutil as shutil_module
+
+    import lab.notebook as nb_module
+
+    def truncated(notebook, target, params, timeout, log_output):
+        target.write_text('{"cells": [{"cell_type": "co')
+        return None
+    monkeypatch.setattr(nb_module, "_papermill", truncated)
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage",
+                        lambda p: real(p)._replace(free=4096))
+    result = execute(ECHO, tmp_path / "run", {"x": 3}, threads=1)
+    assert result.status == "failed"
+    text = " ".join(result.error.split())
+    assert f"notebook {tmp_path / 'run' / 'notebook.ipynb'} cannot be read as a Jupyter " \
+           "notebook" in text
+    assert f"(the disk holding {tmp_path / 'run'} has 4,096 bytes free: full? Free some " \
+           "space and run the same command again to resume)" in text
+    assert records.load_record(tmp_path / "run")["status"] == "failed"
+    # the cut notebook is replaced by its source (readable), its outcome in the metadata
+    kept = nbformat.read(tmp_path / "run" / "notebook.ipynb", as_version=4)
+    assert kept.metadata["lab"]["status"] == "failed"
+    monkeypatch.setattr(shutil_module, "disk_usage", real)  # room enough: no such note
+    result = execute(ECHO, tmp_path / "run2", {"x": 3}, threads=1)
+    assert result.status == "failed" and "bytes free" not in result.error

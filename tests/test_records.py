@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -738,3 +739,23 @@ def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, ti
     records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}, "status": "diverged"})
     records.check_stored_rows(tmp_path / "r")
     assert list(records.load_metrics(tmp_path).query("axis == 'epoch'")["index"].unique()) == [0]
+
+
+@pytest.mark.parametrize("error, kind", [(errno.ENOSPC, OSError), (errno.EACCES, PermissionError)])
+def test_a_failed_write_names_its_file(tmp_path, error, kind):
+    # A full disk during a checkpoint's torch.save said only "[Errno 28] No space left on
+    # device": which file was being written was left to guess. The half file is removed.
+    def write(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(error, os.strerror(error))
+    target = tmp_path / "checkpoint.pt"
+    with pytest.raises(kind) as caught:
+        records.atomic_write(target, write)
+    assert caught.value.errno == error and caught.value.filename == str(target)
+    assert str(caught.value) == f"[Errno {error}] {os.strerror(error)}: '{target}'"
+    assert list(tmp_path.iterdir()) == []
+    # an error that names its file already is passed on as it is
+    def named(tmp):
+        raise FileNotFoundError(errno.ENOENT, "gone", "/elsewhere")
+    with pytest.raises(FileNotFoundError, match="/elsewhere"):
+        records.atomic_write(target, named)

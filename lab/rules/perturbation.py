@@ -69,9 +69,10 @@ PERT_SIGMA_MAX = 1.0
 
 
 # Directions per population and step (nodepert) or event (lhfa, sdil): each costs its own
-# perturbed forward passes, so thousands already make one step take as long as an epoch of
-# backprop; beyond this a typo (10**12) would only hang the run while it drew directions.
-PERT_DIRECTIONS_MAX = 4096
+# perturbed forward passes. Tens of thousands serve to average out the estimate on a small
+# model (the unbiasedness oracle draws 12,000); beyond this a typo (10**12) would only hang
+# the run while it drew directions.
+PERT_DIRECTIONS_MAX = 1 << 16
 
 
 def pert_directions_field(default: int):
