@@ -575,7 +575,9 @@ def ensure_kernel(name: str = KERNEL) -> str:
     if not ours(cmd):
         where = KernelSpecManager().find_kernel_specs().get(name)
         found = f" (its spec: {where}"
-        if where and os.environ.get("JUPYTER_PATH"):
+        extra = [d for d in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if d]
+        if where and any(Path(where).resolve().is_relative_to(Path(d).resolve())
+                         for d in extra):
             found += (f", found through JUPYTER_PATH={os.environ['JUPYTER_PATH']}, which "
                       "comes before this environment's kernels: remove that spec or unset "
                       "JUPYTER_PATH")
