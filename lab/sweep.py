@@ -141,6 +141,16 @@ class Protocol:
         validate(self)
         for part in ("fixed", "grid"):
             _check_names(f"Protocol.{part}", getattr(self, part))
+        # A grid key is part of every run's directory name: only a parameter's name (or a
+        # dotted path of names into a dict parameter), never a path ("x./../../y" wrote a
+        # run outside out).
+        odd = [key for key in self.grid if not all(p.isidentifier() for p in key.split("."))]
+        if odd:
+            raise ProtocolError(
+                f"Protocol.grid key(s) {', '.join(map(repr, odd))} are not parameter names: a "
+                "grid key is a notebook parameter's name (a Python identifier), or a dotted "
+                "path of such names into a dict parameter (rule_params.traffic_rule), and it "
+                "becomes part of each run's directory name")
         if not self.name or _UNSAFE.search(self.name):
             raise ProtocolError(f"Protocol.name={self.name!r} is not allowed; use a non-empty "
                                 "name of ASCII letters, digits and . = , + - _ (it names "
@@ -223,7 +233,8 @@ class Protocol:
                 if isinstance(params, dict):
                     _check_names(f"Protocol.overrides[{key!r}][{value!r}]", params)
                     _check_whole_and_dotted(f"Protocol.overrides[{key!r}][{value!r}]", params)
-                if value not in self.grid[key]:
+                # (by identity: true == 1 in Python, but they are two grid values)
+                if _identity(value) not in {_identity(v) for v in self.grid[key]}:
                     raise ProtocolError(
                         f"Protocol.overrides[{key!r}][{value!r}]: {value!r} is not a value of "
                         f"grid[{key!r}] = {self.grid[key]!r}, so it would never apply")
@@ -307,7 +318,10 @@ class Protocol:
         """The override parameters that apply to one grid point."""
         out = {}
         for key, table in sorted(self.overrides.items()):
-            out.update(table.get(point[key], {}))
+            here = _identity(point[key])  # (true and 1 are two values, as in the run ids)
+            for value, params in table.items():
+                if _identity(value) == here:
+                    out.update(params)
         return out
 
 
@@ -802,17 +816,33 @@ def expand(protocol: Protocol) -> list[RunSpec]:
         params = _data_paths(params, protocol.source)
         specs.append(RunSpec(_run_id(point, clashes), params, point))
     # Letter case aside: ids that differ only in case are one directory on macOS.
-    counts = Counter(spec.run_id.casefold() for spec in specs)
-    duplicated = sorted(run_id for run_id, n in counts.items() if n > 1)
+    groups: dict[str, list[RunSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.run_id.casefold(), []).append(spec)
+    duplicated = sorted(folded for folded, same in groups.items() if len(same) > 1)
     if duplicated:
         def clash(folded: str) -> str:
-            same = [s for s in specs if s.run_id.casefold() == folded]
+            same = groups[folded]
             return (" / ".join(dict.fromkeys(s.run_id for s in same)) + " from "
-                    + " and ".join(json.dumps(s.grid, sort_keys=True) for s in same))
+                    + " and ".join(json.dumps(s.grid, sort_keys=True, default=repr)
+                                   for s in same))
 
-        clashes = "; ".join(map(clash, duplicated))
+        # The cause first, per key (a value listed twice, 0.1 and 1e-1), then a few of
+        # the runs it doubles: a long grid's every clash made a message of 80 KB.
+        causes = []
+        for key in keys:
+            parts: dict[str, list] = {}
+            for value in protocol.grid[key]:
+                parts.setdefault(_slug(value).casefold(), []).append(value)
+            causes += [f"{key}: {' and '.join(map(repr, same))} give one id ({key}-"
+                       f"{_slug(same[0])})" for same in parts.values() if len(same) > 1]
+        shown = duplicated[:3]
+        clashes = "; ".join(map(clash, shown)) + (
+            f"; and {len(duplicated) - len(shown)} more" if len(duplicated) > len(shown) else "")
         raise ProtocolError(f"protocol {protocol.source or protocol.name}: the grid gives "
-                            f"duplicate run ids: {clashes}; make the grid values distinct")
+                            f"{len(duplicated)} duplicate run id(s)"
+                            + (f" ({'; '.join(causes[:5])})" if causes else "")
+                            + f": {clashes}; make the grid values distinct")
     return specs
 
 

@@ -59,6 +59,10 @@ def test_non_finite_numbers_are_refused(value):
      r"parameter\(s\) 'nope'; it takes no parameters"),
     (dict(eval_split="test"), r"evaluated exactly once"),
     (dict(val_fraction=0.0), r"needs a validation split"),
+    # crop_flip on 1-D signals failed at the first batch, the run already started
+    (dict(augment="crop_flip"), r"^ConvConfig.augment='crop_flip' crops and flips images, and "
+     r"dataset 'mnist1d' holds 1-D signals; use 'shift' \(circular shifts\), 'auto' \(the "
+     r"dataset's own\) or 'none'$"),
 ])
 def test_cross_field_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -65,7 +65,8 @@ def write_protocol(path: Path, **fields) -> Path:
     ({"grid": {}}, r"Protocol.grid is empty"),
     ({"grid": {"x": []}}, r"grid values must be non-empty lists; got x: \[\]"),
     ({"grid": {"x": 3}}, r"grid values must be non-empty lists; got x: 3"),
-    ({"grid": {"x": [1, 1]}}, r"duplicate run ids: x-1 from \{\"x\": 1\} and \{\"x\": 1\}"),
+    ({"grid": {"x": [1, 1]}}, r"the grid gives 1 duplicate run id\(s\) \(x: 1 and 1 give one "
+     r"id \(x-1\)\): x-1 from \{\"x\": 1\} and \{\"x\": 1\}; make the grid values distinct"),
     ({"overrides": {"y": {1: {"fail_on": 1}}}}, r"overrides\['y'\]: 'y' is not a grid key; "
      r"overrides are keyed by grid keys: x$"),
     ({"overrides": {"x": [1]}}, r"overrides\['x'\] is a list; it must map values of "
@@ -112,6 +113,17 @@ def write_protocol(path: Path, **fields) -> Path:
      r"Protocol.overrides\['fail_on'\]\[0\] and overrides\['x'\]\[1\] both set opts "
      r"\(\{'a': 2\} and \{'a': 1\}\) for the runs with fail_on=0 and x=1; one would win "
      r"silently: set opts in one of the two tables"),
+    # a grid key is part of each run's directory name: "x./../../EVIL" wrote a run
+    # outside out, "x.a/b" made nested directories the listing called missing
+    ({"grid": {"opts./../../EVIL": [1]}}, r"Protocol.grid key\(s\) 'opts\./\.\./\.\./EVIL' "
+     r"are not parameter names: a grid key is a notebook parameter's name \(a Python "
+     r"identifier\), or a dotted path of such names into a dict parameter "
+     r"\(rule_params.traffic_rule\), and it becomes part of each run's directory name"),
+    ({"grid": {"x": [1], "opts.a/b": [1], "opts.": [2]}},
+     r"Protocol.grid key\(s\) 'opts.', 'opts.a/b' are not parameter names"),
+    # true == 1 in Python, but they are two grid values: the override applied to seed 1
+    ({"overrides": {"x": {True: {"fail_on": 1}}}}, r"overrides\['x'\]\[True\]: True is not a "
+     r"value of grid\['x'\] = \[1, 2\], so it would never apply$"),
     ({"workers": 0}, r"Protocol.workers=0 is out of range"),
     ({"name": "a/b"}, r"Protocol.name='a/b' is not allowed"),
     # '..' and '.' made `lab report` rmtree the reports directory's parent / itself
@@ -1210,3 +1222,25 @@ def test_list_and_dict_values_are_written_as_their_items_and_told_apart_from_str
     ids = [run_id_for({"x": value}, grid) for value in grid["x"]]
     assert all(re.fullmatch(r"x-1\+5-[0-9a-f]{8}", i) for i in ids) and ids[0] != ids[1]
     assert re.fullmatch(r"x-1\+a-b-[0-9a-f]{8}", run_id_for({"x": [1, "a b"]}))  # inexact
+
+
+def test_an_override_keyed_true_is_not_the_value_1(tmp_path):
+    # true == 1 in Python: an override for seed 1 came out of a table keyed true.
+    protocol = Protocol(name="t", notebook="nb", out="o", grid={"x": [1, True]},
+                        overrides={"x": {True: {"fail_on": 7}}})
+    got = sorted((type(spec.grid["x"]).__name__, spec.params.get("fail_on"))
+                 for spec in expand(protocol))
+    assert got == [("bool", 7), ("int", None)]
+
+
+def test_a_long_grids_duplicates_are_told_in_a_paragraph(tmp_path):
+    # seed [0, 1, 1] x 1000 lr values: every one of the 1000 clashes was listed (80 KB).
+    protocol = Protocol(name="t", notebook="nb", out="o",
+                        grid={"seed": [0, 1, 1], "lr": [i / 1000 for i in range(1, 1001)]})
+    with pytest.raises(ProtocolError) as err:
+        expand(protocol)
+    text = str(err.value)
+    assert len(text) < 1000, len(text)
+    assert "the grid gives 1000 duplicate run id(s) (seed: 1 and 1 give one id (seed-1)): " \
+           'lr-0.001_seed-1 from {"lr": 0.001, "seed": 1} and {"lr": 0.001, "seed": 1}; ' in text
+    assert text.endswith("; and 997 more; make the grid values distinct")

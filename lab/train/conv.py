@@ -125,6 +125,11 @@ class ConvConfig:
                               by="optimizer")
         check_not_below_dtype(self, ("residual_scale",), self.dtype)
         check_in_dtype(self, ("residual_scale",), self.dtype, by="model")
+        if self.augment == "crop_flip" and DATA_SPECS[self.dataset].dims == 1:
+            # (it failed at the first batch, after the run had started)
+            raise ConfigError(f"ConvConfig.augment='crop_flip' crops and flips images, and "
+                              f"dataset {self.dataset!r} holds 1-D signals; use 'shift' "
+                              "(circular shifts), 'auto' (the dataset's own) or 'none'")
         if (self.depth - 2) % 6:
             raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
                               "(8, 14, 20, 32, 44, 56, 110)")
