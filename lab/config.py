@@ -149,8 +149,16 @@ class _Loader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = {}
+        merges = []
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
+                # two `<<:` in one mapping: PyYAML lets the later win, silently
+                merges.append(key_node.start_mark.line + 1)
+                if len(merges) > 1:
+                    raise DuplicateKeyError(
+                        None, None, f"the merge key '<<' is given twice (lines {merges[0]} and "
+                        f"{merges[1]}); merge several mappings with one: <<: [*a, *b]",
+                        key_node.start_mark)
                 continue
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1

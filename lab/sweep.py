@@ -385,6 +385,9 @@ def _build(data: dict, path: Path) -> Protocol:
     required = [f.name for f in dataclasses.fields(Protocol)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [key for key in required if key not in data]
+    if not data:  # an empty file (or only comments): say that, not four missing keys
+        raise ProtocolError(f"protocol {path} is empty; a protocol is a YAML mapping with at "
+                            f"least {', '.join(required)} (see protocols/demo.yaml)")
     if missing:
         raise ProtocolError(f"protocol {path}: missing key(s) {', '.join(missing)}; "
                             f"required: {', '.join(required)}")

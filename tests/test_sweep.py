@@ -187,6 +187,13 @@ def test_protocol_file_problems(tmp_path):
                                             r"\(key 'grid' is given twice \(lines 2 and 3\)"):
         (tmp_path / "p.yaml").write_text("name: t\ngrid: {rule: [bp]}\ngrid: {rule: [fa]}\n")
         load_protocol(tmp_path / "p.yaml")
+    # two merge keys in one mapping: PyYAML let the later win without a word
+    with pytest.raises(ProtocolError, match=re.escape(
+            "p.yaml is not valid YAML at line 5, column 3 (the merge key '<<' is given twice "
+            "(lines 4 and 5); merge several mappings with one: <<: [*a, *b])")):
+        (tmp_path / "p.yaml").write_text(
+            "name: t\nx: &a {lr: 0.05}\nfixed:\n  <<: *a\n  <<: {lr: 0.01}\n")
+        load_protocol(tmp_path / "p.yaml")
     with pytest.raises(ProtocolError, match=r"protocol .* is a directory; expected a YAML "
                                             r"mapping with keys name, "):
         load_protocol(tmp_path)
@@ -1244,3 +1251,13 @@ def test_a_long_grids_duplicates_are_told_in_a_paragraph(tmp_path):
     assert "the grid gives 1000 duplicate run id(s) (seed: 1 and 1 give one id (seed-1)): " \
            'lr-0.001_seed-1 from {"lr": 0.001, "seed": 1} and {"lr": 0.001, "seed": 1}; ' in text
     assert text.endswith("; and 997 more; make the grid values distinct")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_protocol_says_so(tmp_path, text):
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(ProtocolError, match=re.escape(
+            f"protocol {path} is empty; a protocol is a YAML mapping with at least name, "
+            "notebook, out, grid (see protocols/demo.yaml)")):
+        load_protocol(path)
