@@ -37,6 +37,10 @@ import numpy as np
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
+from .cachedir import ensure_cache_dir
+
+ensure_cache_dir(__file__)  # before the first cache=True function below
+
 # Units per chunk of a row. Chunk partials in the input dtype then float64: a
 # float32 partial sums at most CHUNK squares spread over the vector lanes
 # (relative error around 1e-7), the row total is float64.

@@ -8,6 +8,7 @@ pickled values of its cells, and a compiled function pickles with a per-process 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,39 @@ def test_local_kernels_take_the_rule_and_outputs_as_literals():
     assert {(f"Literal[int]({cpu.MATCHED})", f"Literal[bool]({i})", f"Literal[bool]({m})")
             for i in (True, False) for m in (True, False)} <= flags, flags
     assert all(s[-3].__class__.__name__ == "IntegerLiteral" for s in cpu._slab_write.signatures)
+
+
+CACHE_FALLBACK = """
+import os, sys, tempfile, warnings
+from numba.core import config
+from numba_kernels.cachedir import ensure_cache_dir
+
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    here = ensure_cache_dir(os.path.abspath(sys.argv[1]))  # a writable source file
+    gone = ensure_cache_dir("/nonexistent/kernels.py")     # numba has no place for it
+    again = ensure_cache_dir("/nonexistent/kernels.py")    # now it has: the fallback
+print(here, gone == os.path.join(tempfile.gettempdir(), f"numba-cache-{os.getuid()}"),
+      config.CACHE_DIR == gone, again, len(seen), str(seen[0].message) if seen else "")
+"""
+
+
+def test_a_read_only_install_caches_the_kernels_elsewhere(tmp_path):
+    # A read-only install with no writable home: numba refused at import ("cannot cache
+    # function '_signals': no locator available"), so no training run could start.
+    source = tmp_path / "k.py"
+    source.write_text("x = 1\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    run = subprocess.run([sys.executable, "-c", CACHE_FALLBACK, str(source)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    here, gone, set_, again, count, message = run.stdout.split(" ", 5)
+    assert (here, gone, set_, again, count) == ("None", "True", "True", "None", "1")
+    assert message.startswith("numba cannot cache the compiled kernels beside "
+                              "/nonexistent/kernels.py or in this user's cache directory")
+    assert "(set NUMBA_CACHE_DIR to choose another)" in message
+    # the user's own NUMBA_CACHE_DIR is kept as it is, without a word
+    run = subprocess.run([sys.executable, "-c", CACHE_FALLBACK, str(source)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**env, "NUMBA_CACHE_DIR": str(tmp_path / "mine")})
+    assert run.stdout.split(" ")[:5] == ["None", "False", "False", "None", "0"]

@@ -385,6 +385,9 @@ def _backward_torch(grad_out, hs, z, a, g, rate_dt, mode, activation, w_h, w_hea
 try:
     import numba
 
+    from numba_kernels.cachedir import ensure_cache_dir
+
+    ensure_cache_dir(__file__)  # a read-only install: cached elsewhere, not refused
     _HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - numba is a dependency; kept for a lean install
     _HAVE_NUMBA = False
