@@ -9,13 +9,17 @@ cannot change behaviour) are listed with reasons in the README.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 
-def main() -> int:
-    path = Path("mutants/mutmut-cicd-stats.json")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stats", default="mutants/mutmut-cicd-stats.json",
+                        help="mutmut's CI/CD stats file (default: %(default)s)")
+    path = Path(parser.parse_args(argv).stats)
     if not path.exists():
         print(f"{path} not found: run `make mutation` (mutmut run, then mutmut export-cicd-stats)")
         return 1

@@ -4,6 +4,7 @@ timing, and what --help promises is what the parsed options say (no timing runs 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -218,3 +219,17 @@ def test_fig_wd_kp_table_shows_one_seed_without_a_spread_and_a_missing_rule(tmp_
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1e-")]
     assert rows == ["| 1e-3 | 90.10 | 0.540 (0.25) | 95.10 |",
                     "| 1e-2 | 91.00 | 0.900 (0.70) | — |"]
+
+
+def test_mutation_score_reads_the_stats_and_answers_help(tmp_path, capsys):
+    # `--help` printed "mutants/mutmut-cicd-stats.json not found" and exited 1.
+    score = _load("mutation_score")
+    with pytest.raises(SystemExit) as done:
+        score.main(["--help"])
+    assert done.value.code == 0 and "mutation score" in capsys.readouterr().out
+    stats = tmp_path / "s.json"
+    stats.write_text(json.dumps({"total": 12, "killed": 8, "survived": 1, "timeout": 1,
+                                 "suspicious": 0, "no_tests": 2, "skipped": 0}))
+    assert score.main(["--stats", str(stats)]) == 0
+    assert "mutation score: 80.0% (target >= 85%)" in capsys.readouterr().out  # 8 / 10
+    assert score.main(["--stats", str(tmp_path / "none.json")]) == 1
