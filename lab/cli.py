@@ -290,9 +290,16 @@ def _sweep(args) -> int:
         return _error(exc)
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
-        print(f"\ninterrupted; run `lab sweep {shlex.quote(args.protocol)}` again to finish "
-              "the remaining "
-              "runs (finished ones are kept)", file=sys.stderr)
+        # The same command resumes: the cluster it named, and its options.
+        again = shlex.join(["lab", "sweep", args.protocol]
+                           + (["--scheduler", args.scheduler] if args.scheduler else [])
+                           + (["--workers", str(args.workers)] if args.workers else []))
+        print(f"\ninterrupted; run `{again}` again to finish the remaining runs (finished "
+              "ones are kept)", file=sys.stderr)
+        if args.scheduler:  # its workers are not this process's: nothing stops them
+            print(f"runs already started on {args.scheduler}'s workers go on to the end (`lab "
+                  f"runs {shlex.quote(args.protocol)}` shows them running); the rerun counts "
+                  "them as they are by then", file=sys.stderr)
         return 130
     table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
     print(table.to_string(index=False, max_colwidth=80))

@@ -1276,20 +1276,40 @@ def _kernel_threads(params: dict, threads: int) -> int:
     return threads
 
 
+def _scheduler_lost(error: str) -> bool:
+    """Whether a task's error is the Dask scheduler's loss (its futures cancelled), not
+    the task's own failure: the run may still be training on its worker."""
+    return "scheduler-connection-lost" in error or "CancelledError" in error.split(":")[0]
+
+
 def _record_lost_worker(out: Path, spec: RunSpec, error: str) -> RunOutcome:
     """A worker died (KilledWorker) or the task broke: mark the run's record
     failed, unless another process has taken the run over meanwhile. A run that
-    wrote no record yet stays without one (it is simply executed next time)."""
+    wrote no record yet stays without one (it is simply executed next time).
+
+    With the scheduler lost, a run without a record never started here (it is not
+    counted executed), and one whose worker still holds it may well finish: said so,
+    instead of a bare "locked" or "failed"."""
     from .notebook import mark_failed
     from .runlock import RunLocked, acquire
 
+    lost = _scheduler_lost(error)
     run_dir = out / spec.run_id
     if not (run_dir / records.RECORD_FILE).exists():
+        if lost:
+            return RunOutcome(spec.run_id, "failed", "the Dask scheduler was lost before "
+                              f"this run started ({error}); nothing was made: run the sweep "
+                              "again", skipped=True)
         return RunOutcome(spec.run_id, "failed", error)
     try:
         with acquire(run_dir):
             mark_failed(run_dir, spec.run_id, spec.params, error)
     except RunLocked as err:
+        if lost:
+            return RunOutcome(spec.run_id, "locked", "the Dask scheduler was lost while this "
+                              f"run trained; its worker still holds it ({err}) and may finish "
+                              "it: `lab runs` on the protocol shows where it stands",
+                              skipped=True)
         return RunOutcome(spec.run_id, "locked", f"{error}; then {err}", skipped=True)
     return RunOutcome(spec.run_id, "failed", error)
 

@@ -342,6 +342,16 @@ def test_sweep_interrupted_names_a_command_to_paste(tmp_path, capsys, monkeypatc
     assert cli_main(["sweep", str(protocol)]) == 130
     err = " ".join(capsys.readouterr().err.split())
     assert f"run `lab sweep '{protocol}'` again to finish the remaining runs" in err
+    assert "workers go on" not in err
+    # on an external cluster: the hint names it (a rerun without it would start a local
+    # cluster on the client machine), and says its started runs go on
+    assert cli_main(["sweep", str(protocol), "--scheduler", "tcp://h:8786",
+                     "--workers", "2"]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"run `lab sweep '{protocol}' --scheduler tcp://h:8786 --workers 2` again to " \
+           "finish the remaining runs (finished ones are kept)" in err
+    assert "runs already started on tcp://h:8786's workers go on to the end (`lab runs " \
+           f"'{protocol}'` shows them running)" in err
 
 
 def test_a_run_linked_in_from_elsewhere_is_listed(tmp_path, capsys):

@@ -1261,3 +1261,47 @@ def test_an_empty_protocol_says_so(tmp_path, text):
             f"protocol {path} is empty; a protocol is a YAML mapping with at least name, "
             "notebook, out, grid (see protocols/demo.yaml)")):
         load_protocol(path)
+
+
+def test_a_lost_scheduler_is_told_as_such(tmp_path):
+    # Scheduler killed mid-sweep: queued runs were called "failed" (and counted executed)
+    # though nothing was made, and runs still training on their workers a bare "locked".
+    import subprocess
+    import sys
+    import textwrap
+
+    from lab.sweep import RunSpec, SweepReport, _record_lost_worker
+
+    error = ("FutureCancelledError: run-1 cancelled for reason: scheduler-connection-lost.\n"
+             "Client lost the connection to the scheduler.")
+    queued = _record_lost_worker(tmp_path, RunSpec("queued", {}, {}), error)
+    assert (queued.status, queued.skipped) == ("failed", True)
+    assert queued.error.startswith("the Dask scheduler was lost before this run started "
+                                   "(FutureCancelledError: ") and queued.error.endswith(
+        "nothing was made: run the sweep again")
+    assert not (tmp_path / "queued").exists()
+    # a run its worker still trains: the worker holds the lock
+    busy = tmp_path / "busy"
+    record = records.new_record(run_id="busy", kind="notebook", config={})
+    records.save_run(busy, record)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from lab import runlock
+        lock = runlock.acquire({str(busy)!r})
+        print("held", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        training = _record_lost_worker(tmp_path, RunSpec("busy", {}, {}), error)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (training.status, training.skipped) == ("locked", True)
+    assert training.error.startswith("the Dask scheduler was lost while this run trained; "
+                                     "its worker still holds it (")
+    assert records.load_record(busy)["status"] == "running"  # untouched
+    report = SweepReport("p", str(tmp_path), [queued, training])
+    assert "0 executed" in report.summary()
+    # a task's own failure, scheduler alive: as before
+    broken = _record_lost_worker(tmp_path, RunSpec("x", {}, {}), "KilledWorker: boom")
+    assert (broken.status, broken.skipped, broken.error) == ("failed", False, "KilledWorker: boom")
