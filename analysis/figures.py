@@ -29,6 +29,7 @@ from lab.records import TIDY_COLUMNS
 from .checks import check_group_keys, config_twins, dataframe, listing, names
 
 _PANEL = (4.2, 3.2)
+_STYLES = ("-", "--", "-.", ":")  # per group, with the colour
 
 
 class NotebookFigure(Figure):
@@ -273,17 +274,41 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
     if axis is None:
         for field in fields:
             _one_axis("learning_curves", metrics, table, field)
-    fig = NotebookFigure(figsize=(_PANEL[0] * len(fields), _PANEL[1]), layout="constrained")
-    axes = fig.subplots(1, len(fields), squeeze=False)[0]
+    # At most three panels a row: six in one row became unreadably small in a notebook.
+    cols = min(3, len(fields))
+    rows_ = -(-len(fields) // cols)
+    fig = NotebookFigure(figsize=(_PANEL[0] * cols, _PANEL[1] * rows_ + 0.6),
+                         layout="constrained")
+    axes = fig.subplots(rows_, cols, squeeze=False).ravel()
+    for ax in axes[len(fields):]:
+        ax.set_visible(False)
+    handles: dict[str, tuple] = {}
     for ax, field in zip(axes, fields):
         on = axis or row_axis(metrics, [field])
         bands = curve_bands(metrics, table, group_keys, field, on)
-        for group, rows in bands.groupby("group", sort=True):
-            line, = ax.plot(rows[on], rows["mean"], label=f"{group} (n={rows['n'].max()})")
+        for k, (group, rows) in enumerate(bands.groupby("group", sort=True)):
+            # Line styles cycle too: groups with equal values (a control and a rule that
+            # changes nothing) hid each other's lines.
+            # A seed with no value at a row (NaN): the mean there is over fewer seeds,
+            # drawn as an open circle, and the label gives n's range.
+            n = rows["n"]
+            count = f"n={n.max()}" if n.min() == n.max() else f"n={n.min()}-{n.max()}"
+            line, = ax.plot(rows[on], rows["mean"], linestyle=_STYLES[k % len(_STYLES)],
+                            label=f"{group} ({count})")
             std = rows["std"].fillna(0.0)  # one seed: no band
             ax.fill_between(rows[on], rows["mean"] - std, rows["mean"] + std,
                             color=line.get_color(), alpha=0.25, linewidth=0)
+            fewer = rows[n < n.max()]
+            if len(fewer):
+                ax.plot(fewer[on], fewer["mean"], "o", markerfacecolor="none",
+                        markersize=5, color=line.get_color(), label="_fewer seeds")
+            if group not in handles or "-" in count:  # a range, wherever seen, is said
+                handles[group] = (line, line.get_label())
         style_axes(ax, on, _label(field))
-        if ax.lines:
-            ax.legend(fontsize="small")
+    if handles:
+        # One legend for every panel, below them: inside a panel it covered the curves.
+        fig.legend([h for h, _ in handles.values()], [lab for _, lab in handles.values()],
+                   loc="outside lower center", ncol=min(3, len(handles)), fontsize="small",
+                   title="mean over seeds, band +-1 std (open circle: fewer seeds there)",
+                   title_fontsize="small")
     return fig

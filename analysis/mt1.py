@@ -208,8 +208,11 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
     # A condition with no finite value (a ratio over zero traffic at traffic_ratio 0) draws
     # nothing: named on the panel, not left as an empty axis.
     finite = frame.apply(pd.to_numeric).apply(lambda c: c.map(math.isfinite).any())
-    for condition in frame.columns[finite.to_numpy()]:
-        ax.plot(frame.index, frame[condition], label=condition)
+    for k, condition in enumerate(frame.columns[finite.to_numpy()]):
+        # styles cycle with the colours: conditions that coincide (innovation on none)
+        # hid each other
+        ax.plot(frame.index, frame[condition], label=condition,
+                linestyle=("-", "--", "-.", ":")[k % 4])
     undefined = [str(c) for c in frame.columns[~finite.to_numpy()]]
     if undefined:
         ax.text(0.5, 0.5, f"undefined (no finite value) for: {', '.join(undefined)}",
@@ -229,9 +232,10 @@ def rms_panels(data) -> Figure:
     fig = Figure(figsize=(3.2 * len(conditions), 3.0), layout="constrained")
     axes = fig.subplots(1, len(conditions), squeeze=False, sharey=True).ravel()
     for ax, condition in zip(axes, conditions):
-        for signal in SIGNALS:
+        for k, signal in enumerate(SIGNALS):
             frame = epoch_frame(data, f"rule/apical/rms_{signal}/mean")
-            ax.plot(frame.index, frame[condition], label=signal)
+            ax.plot(frame.index, frame[condition], label=signal,
+                    linestyle=("-", "--", "-.", ":")[k % 4])  # equal signals stay apart
         ax.set_title(condition)
         ax.set_yscale("log")
         style_axes(ax, "epoch")
@@ -242,7 +246,8 @@ def rms_panels(data) -> Figure:
 
 def alignment_bars(data) -> Figure:
     """Mean over seeds of each signal's alignment mean (cos(signal, true gradient) over
-    the populations where it is defined), per condition. Each tick says how many
+    the populations where it is defined), per condition, with +-1 std over seeds as
+    error bars (none for one seed). Each tick says how many
     populations the means cover (mean over seeds / all); a bar over fewer than
     all populations is hatched."""
     stats = final_table(data)
@@ -252,8 +257,9 @@ def alignment_bars(data) -> Figure:
     total = stats["populations/mean"]
     for k, signal in enumerate(ALIGNED):
         xs = [i + k * width for i in range(len(stats))]
+        # one seed has no std: no error bar (0 drew one, as if the seeds agreed)
         bars = ax.bar(xs, stats[f"align_{signal}/mean"], width,
-                      yerr=stats[f"align_{signal}/std"].fillna(0), capsize=2, label=signal)
+                      yerr=stats[f"align_{signal}/std"], capsize=2, label=signal)
         for bar, partial in zip(bars, stats[f"align_{signal}/populations/mean"] < total):
             bar.set_hatch("//" if partial else "")
     ticks = []
@@ -264,8 +270,8 @@ def alignment_bars(data) -> Figure:
         ticks.append(f"{condition}\n{span}/{total[condition]:g} populations")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stats))], ticks, fontsize="small")
     ax.set_ylabel("cos(signal, BP gradient)")
-    ax.set_title("mean over the populations where defined (hatched: not all of them)",
-                 fontsize="small")
+    ax.set_title("mean over the populations where defined (hatched: not all of them); "
+                 "error bar: +-1 std over seeds", fontsize="small")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.legend(fontsize="small", ncol=3)
     return fig

@@ -163,7 +163,8 @@ def _prefixes(metrics: pd.DataFrame) -> list[str]:
 
 
 def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str) -> pd.DataFrame:
-    """Mean over seeds per (rule, name, epoch) of metrics ``<prefix><name>``.
+    """Mean over seeds per (rule, name, epoch) of metrics ``<prefix><name>``; names in the
+    order the records hold them (the model's forward order).
 
     A prefix that no epoch metric of the table's runs starts with is a ValueError naming
     the prefixes there are (a typo, not an empty frame), except one of
@@ -185,29 +186,48 @@ def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str
         shown = ", ".join(map(repr, _prefixes(there))) or "none"
         raise ValueError(f"per_name_over_epochs: no field of any run of the table starts with "
                          f"{given!r} on the epoch axis; prefixes there: {shown}")
-    out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean()
-    return out.reset_index().rename(columns={"index": "epoch"})
+    out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean().reset_index()
+    # Names in the records' order, which is the model's forward order (stem ... fc), not
+    # the alphabet's (blocks.0 ... fc, stem), so a line's shade can say its depth.
+    order = {name: i for i, name in enumerate(dict.fromkeys(rows["name"]))}
+    out = out.sort_values(["rule", "name", "index"], key=lambda c: c.map(order)
+                          if c.name == "name" else c, kind="stable", ignore_index=True)
+    return out.rename(columns={"index": "epoch"})
 
 
 def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure:
-    """Test accuracy per rule: bar = mean over seeds, error bar = std, dots = seeds."""
+    """A final metric per rule (default the test accuracy): bar = mean over seeds, error
+    bar = +-1 std over seeds (ddof 1; none for a rule with one seed), dots = the seeds.
+
+    An accuracy (a metric ending in ``_acc``) is drawn in % on a 0-100 axis; any other
+    metric as it is, labelled with its name (a loss drawn as "test accuracy (%)" read as
+    100 % everywhere)."""
     _check_table(table, "accuracy_bars", ["rule", metric])
     fig = Figure(figsize=(7, 3.4), layout="constrained")
     ax = fig.subplots()
+    percent = metric.endswith("_acc")
+    scale = 100 if percent else 1
     grouped = table.groupby("rule", sort=True)[metric]
-    stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=False)
+    stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=not percent
+                                                     and "loss" in metric)
     xs = range(len(stats))
     # A rule with one seed has no std: NaN draws no error bar (0 drew one, as if no spread).
-    ax.bar(xs, 100 * stats["mean"], yerr=100 * stats["std"], capsize=3, alpha=0.7)
+    ax.bar(xs, scale * stats["mean"], yerr=scale * stats["std"], capsize=3, alpha=0.7)
     for x, rule in zip(xs, stats.index):
         values = table.loc[table["rule"] == rule, metric]
-        ax.plot([x] * len(values), 100 * values, "k.", markersize=4)
+        ax.plot([x] * len(values), scale * values, "k.", markersize=4)
     ax.set_xticks(list(xs), stats.index)
-    ax.set_ylabel("test accuracy (%)")
+    name = metric.removeprefix("final.").replace("_", " ")
+    ax.set_ylabel(f"{name} (%)" if percent else name)
+    ax.set_title("bar: mean over seeds; error bar: +-1 std over seeds; dots: seeds",
+                 fontsize="small")
     # Bars from 0: a bar's length is its accuracy, so two bars' ratio is the accuracies'
     # (an axis cut near the lowest bar made 25.5 % look twice 19.7 %); the dots and the
     # error bars show the spread, and rules_table gives the digits.
-    ax.set_ylim(0, 100)
+    if percent:
+        ax.set_ylim(0, 100)
+    elif (table[metric].dropna() >= 0).all():
+        ax.set_ylim(bottom=0)
     return fig
 
 
@@ -220,10 +240,15 @@ def lines_per_rule(frame: pd.DataFrame, ylabel: str, rules=None) -> Figure:
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, rule in zip(axes, rules):
         part = frame[frame["rule"] == rule]
-        names = list(dict.fromkeys(part["name"]))  # forward order: shade by depth
+        names = list(dict.fromkeys(part["name"]))  # forward order (per_name_over_epochs')
         for name, line in part.groupby("name", sort=False):
             shade = 0.15 + 0.75 * names.index(name) / max(1, len(names) - 1)
-            ax.plot(line["epoch"], line["value"], color=(shade, 0.2, 1 - shade), linewidth=1)
+            ax.plot(line["epoch"], line["value"], color=(shade, 0.2, 1 - shade), linewidth=1,
+                    label=(f"{name} (first)" if name == names[0] else f"{name} (last)"
+                           if name == names[-1] and len(names) > 1 else "_"))
+        if names:  # the key to the shades: first layer blue ... last red
+            ax.legend(fontsize="x-small", title=f"{len(names)} names, by depth",
+                      title_fontsize="x-small")
         ax.set_title(rule)
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="grey", linewidth=0.5)

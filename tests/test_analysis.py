@@ -335,6 +335,39 @@ def test_figures_draw_a_band_per_group(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
+def test_a_seed_missing_at_a_row_is_shown_not_hidden():
+    # One seed's NaN at epoch 2: the mean there was the other seed's value alone, the band
+    # vanished, and the legend still said n=2.
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    table, metrics = data.table(), data.metrics.copy()
+    hole = ((metrics["run_id"] == "lr-0.2_rule-bp_seed-1") & (metrics["metric"] == "train_loss")
+            & (metrics["axis"] == "epoch") & (metrics["index"] == 2))
+    assert hole.sum() == 1
+    metrics.loc[hole, "value"] = float("nan")
+    fig = learning_curves(metrics, table, data.group_keys, ["train_loss"])
+    ax = fig.get_axes()[0]
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["lr=0.05, rule=bp (n=2)", "lr=0.2, rule=bp (n=1-2)", "_fewer seeds"]
+    circle = ax.lines[2]
+    kept = metrics[(metrics["run_id"] == "lr-0.2_rule-bp_seed-0") & (metrics["index"] == 2)
+                   & (metrics["metric"] == "train_loss") & (metrics["axis"] == "epoch")]
+    assert list(circle.get_xdata()) == [2] and circle.get_markerfacecolor() == "none"
+    assert list(circle.get_ydata()) == pytest.approx([float(kept["value"].iloc[0])])
+    # one legend for the figure, below the panels, saying what the bands are
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == labels[:2]
+    assert legend.get_title().get_text().startswith("mean over seeds, band +-1 std")
+
+
+def test_six_panels_wrap_into_rows_of_three():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    fields = ["train_loss", "val_acc", "train_acc", "val_loss", "train_loss", "val_acc"]
+    fig = learning_curves(data.metrics, data.table(), data.group_keys, fields)
+    shown = [ax for ax in fig.get_axes() if ax.get_visible()]
+    assert len(shown) == 6
+    assert sorted({round(ax.get_position().y0, 3) for ax in shown}).__len__() == 2
+
+
 def test_analysis_does_not_import_torch():
     code = ("import sys, analysis; "
             f"d = analysis.load_protocol_runs({str(FIXTURE / 'protocol.yaml')!r}); "

@@ -89,6 +89,39 @@ def test_alignment_per_layer_over_epochs_is_the_seed_mean(runs):
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["bp", "dfa", "kp"]
 
 
+def test_accuracy_bars_label_the_metric_they_draw(runs):
+    # Any metric was drawn x100 on a 0-100 axis labelled "test accuracy (%)": a loss read
+    # as 100 % everywhere.
+    _, table, _ = runs
+    ax = compare.accuracy_bars(table, "final.train_loss").axes[0]
+    assert ax.get_ylabel() == "train loss"
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    for bar, rule in zip(ax.patches, labels):
+        assert bar.get_height() == pytest.approx(
+            table.loc[table["rule"] == rule, "final.train_loss"].mean(), abs=1e-12)
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == sorted(heights)  # a loss: lowest (best) first
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > max(heights)
+    val = compare.accuracy_bars(table, "final.val_acc").axes[0]
+    assert val.get_ylabel() == "val acc (%)" and val.get_ylim() == (0.0, 100.0)
+    assert "error bar: +-1 std over seeds" in val.get_title()
+
+
+def test_lines_per_rule_shade_layers_by_depth(runs):
+    # Names came alphabetically (blocks..., fc, stem): the first layer got the deepest red.
+    _, table, metrics = runs
+    frame = compare.per_name_over_epochs(metrics, table, "alignment/update_cos/")
+    names = list(dict.fromkeys(frame.loc[frame["rule"] == "kp", "name"]))
+    assert names[0] == "stem" and names[-1] == "fc"
+    recorded = [m.removeprefix("alignment/update_cos/") for m in dict.fromkeys(
+        metrics.loc[metrics["metric"].str.startswith("alignment/update_cos/"), "metric"])]
+    assert names == recorded  # the records' (forward) order
+    ax = compare.lines_per_rule(frame, "cos").axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stem (first)", "fc (last)"]
+    blue, red = ax.lines[0].get_color(), ax.lines[len(names) - 1].get_color()
+    assert blue[2] > blue[0] and red[0] > red[2]
+
+
 def test_feedback_cosine_only_for_rules_with_feedback(runs):
     _, table, metrics = runs
     frame = compare.per_name_over_epochs(metrics, table, "rule/feedback/cos/")
