@@ -293,8 +293,10 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
             # drawn as an open circle, and the label gives n's range.
             n = rows["n"]
             count = f"n={n.max()}" if n.min() == n.max() else f"n={n.min()}-{n.max()}"
+            # a few evaluations (val_acc at two steps) get markers: a bare segment between
+            # two points read as a measured curve
             line, = ax.plot(rows[on], rows["mean"], linestyle=_STYLES[k % len(_STYLES)],
-                            label=f"{group} ({count})")
+                            marker="." if len(rows) <= 12 else None, label=f"{group} ({count})")
             std = rows["std"].fillna(0.0)  # one seed: no band
             ax.fill_between(rows[on], rows["mean"] - std, rows["mean"] + std,
                             color=line.get_color(), alpha=0.25, linewidth=0)
