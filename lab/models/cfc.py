@@ -127,10 +127,14 @@ class CfCCell(nn.Module):
         n_heads = 1 if mode == "pure" else 4
         self.heads = nn.Linear(backbone_units, n_heads * hidden_size)
         if mode == "pure":
+            # Zeros and ones, not ncps' Xavier draw for these (1, H) rows: the decay starts
+            # at the heads' own rate and the target at 1 (equations and load_ncps agree;
+            # only a fresh model's starting point differs from ncps').
             self.w_tau = nn.Parameter(torch.zeros(1, hidden_size))
             self.A = nn.Parameter(torch.ones(1, hidden_size))
         self.register_buffer("rate", bucket_rates(buckets))  # (H,) per-unit 1/tau
-        # ncps initialises every matrix with Xavier-uniform (biases: torch's default).
+        # ncps initialises every matrix with Xavier-uniform (biases: torch's default); pure
+        # mode's w_tau and A are the exception, above.
         for layer in [*self.backbone, self.heads]:
             nn.init.xavier_uniform_(layer.weight)
         if mode != "pure":
