@@ -615,6 +615,15 @@ class Lifecycle:
         if exc is not None and self._held and self.status == "running" \
                 and not isinstance(exc, KeyboardInterrupt | runlock.RunMoved):
             self.fail(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, KeyboardInterrupt) and self._held and self.progress \
+                and self.status == "running":
+            # (a Jupyter user sees only torch's traceback otherwise; `lab run` and sweeps
+            # say the same in their own words)
+            kept = (self.out / CHECKPOINT).exists()
+            print(f"\ninterrupted: {self.out} " + (
+                "keeps its last checkpoint; the same call again resumes the run from it" if kept
+                else "has no checkpoint yet; the same call again starts the run afresh"),
+                file=sys.stderr)
         self.close()
 
 

@@ -229,6 +229,19 @@ def _interrupt(config, out, after):
     assert records.load_record(out)["status"] == "running"
 
 
+@pytest.mark.parametrize("every, said", [
+    (5, "keeps its last checkpoint; the same call again resumes the run from it"),
+    (0, "has no checkpoint yet; the same call again starts the run afresh")])
+def test_an_interrupted_call_says_how_to_go_on(tmp_path, capsys, every, said):
+    # A Jupyter user interrupting the kernel saw only torch's KeyboardInterrupt traceback.
+    _interrupt(SyntheticConfig(steps=30, checkpoint_every=every, progress=True),
+               tmp_path / "r", after=12)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"interrupted: {tmp_path / 'r'} {said}" in err
+    _interrupt(SyntheticConfig(steps=30, checkpoint_every=every), tmp_path / "q", after=12)
+    assert "interrupted" not in capsys.readouterr().err  # progress=False: quiet
+
+
 def test_checkpoint_holds_state_and_a_count_not_the_rows(tmp_path):
     train_synthetic(SyntheticConfig(steps=25, checkpoint_every=10), tmp_path / "r")
     state = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
