@@ -187,12 +187,14 @@ def per_name_over_epochs(metrics: pd.DataFrame, table: pd.DataFrame, prefix: str
         raise ValueError(f"per_name_over_epochs: no field of any run of the table starts with "
                          f"{given!r} on the epoch axis; prefixes there: {shown}")
     out = rows.groupby(["rule", "name", "index"], sort=True)["value"].mean().reset_index()
-    # Names in the records' order, which is the model's forward order (stem ... fc), not
-    # the alphabet's (blocks.0 ... fc, stem), so a line's shade can say its depth.
-    order = {name: i for i, name in enumerate(dict.fromkeys(rows["name"]))}
-    out = out.sort_values(["rule", "name", "index"], key=lambda c: c.map(order)
-                          if c.name == "name" else c, kind="stable", ignore_index=True)
-    return out.rename(columns={"index": "epoch"})
+    # Per rule, names in the order its records hold them, which is the model's forward
+    # order (stem ... fc), not the alphabet's (blocks.0 ... fc, stem), so a line's shade
+    # can say its depth; per rule, since two rules may log different names.
+    position = {(rule, name): i for rule, part in rows.groupby("rule", sort=False)
+                for i, name in enumerate(dict.fromkeys(part["name"]))}
+    out = out.assign(_at=[position[key] for key in zip(out["rule"], out["name"])])
+    out = out.sort_values(["rule", "_at", "index"], kind="stable", ignore_index=True)
+    return out.drop(columns="_at").rename(columns={"index": "epoch"})
 
 
 def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure:
@@ -205,11 +207,11 @@ def accuracy_bars(table: pd.DataFrame, metric: str = "final.test_acc") -> Figure
     _check_table(table, "accuracy_bars", ["rule", metric])
     fig = Figure(figsize=(7, 3.4), layout="constrained")
     ax = fig.subplots()
-    percent = metric.endswith("_acc")
+    percent = metric.endswith(("_acc", "_accuracy"))
+    lower_is_better = any(word in metric for word in ("loss", "bpc", "err"))
     scale = 100 if percent else 1
     grouped = table.groupby("rule", sort=True)[metric]
-    stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=not percent
-                                                     and "loss" in metric)
+    stats = grouped.agg(["mean", "std"]).sort_values("mean", ascending=lower_is_better)
     xs = range(len(stats))
     # A rule with one seed has no std: NaN draws no error bar (0 drew one, as if no spread).
     ax.bar(xs, scale * stats["mean"], yerr=scale * stats["std"], capsize=3, alpha=0.7)

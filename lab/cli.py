@@ -767,7 +767,7 @@ def _given_path(text: str) -> str:
     """A path to read (a notebook, a protocol, runs to list), never empty: ``lab runs
     "$DIR"`` with DIR unset would list the working directory without saying so. (A blank
     --out is refused by the run-directory checks, with the same advice.)"""
-    if not text.strip():
+    if not text:  # (" " may be a directory's name: it is looked up like any other)
         raise argparse.ArgumentTypeError(
             f"an empty path ({text!r}); give a path (is a shell variable unset?); . is the "
             "working directory")

@@ -895,25 +895,45 @@ def tidy_metrics(record) -> pd.DataFrame:
 def find_records(root) -> list[Path]:
     """Every record.json under the directory ``root`` (its own included), sorted.
 
-    Symlinked directories are followed, as the sweep and the report follow them (a run
-    moved to another disk and linked back is still a run here; ``Path.glob("**")`` does
-    not follow them on Python 3.11), and each directory is read once, so a link to a
-    parent cannot loop.
+    A symlinked directory that is a run, or a directory of runs (a record.json in it or
+    in one of its directories), is followed, as the sweep and the report follow it (a
+    run moved to another disk and linked back is still a run here; ``Path.glob("**")``
+    follows no links on Python 3.11). Other links are not walked (a link to a dataset
+    or to ``/`` would make a listing read the whole tree), and each directory is read
+    once, so a link to a parent cannot loop.
     """
     found, seen = [], set()
-    for here, dirs, files in os.walk(root, followlinks=True):
+
+    def holds_runs(link: str) -> bool:
+        if os.path.isfile(os.path.join(link, RECORD_FILE)):
+            return True
         try:
-            st = os.stat(here)
-        except OSError:  # a dangling or unreadable link
-            dirs[:] = []
-            continue
-        if (st.st_dev, st.st_ino) in seen:
-            dirs[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirs.sort()  # the first of two links to one directory is the one kept
-        if RECORD_FILE in files:
-            found.append(Path(here) / RECORD_FILE)
+            with os.scandir(link) as entries:
+                return any(e.is_dir() and os.path.isfile(os.path.join(e.path, RECORD_FILE))
+                           for e in entries)
+        except OSError:
+            return False
+
+    def walk(top: str) -> None:
+        for here, dirs, files in os.walk(top):
+            try:
+                st = os.stat(here)
+            except OSError:
+                dirs[:] = []
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                dirs[:] = []
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            dirs.sort()
+            if RECORD_FILE in files:
+                found.append(Path(here) / RECORD_FILE)
+            for name in dirs:  # os.walk lists a link to a directory but does not enter it
+                link = os.path.join(here, name)
+                if os.path.islink(link) and holds_runs(link):
+                    walk(link)
+
+    walk(os.fspath(root))
     return sorted(found)
 
 

@@ -141,16 +141,17 @@ class Protocol:
         validate(self)
         for part in ("fixed", "grid"):
             _check_names(f"Protocol.{part}", getattr(self, part))
-        # A grid key is part of every run's directory name: only a parameter's name (or a
-        # dotted path of names into a dict parameter), never a path ("x./../../y" wrote a
-        # run outside out).
-        odd = [key for key in self.grid if not all(p.isidentifier() for p in key.split("."))]
+        # A grid key is part of every run's directory name: a parameter's name, or a dotted
+        # path into a dict parameter (whose keys may be any text: weights.0, weights.a-b),
+        # never a path ("x./../../y" wrote a run outside out).
+        odd = [key for key in self.grid if any(c in key for c in "/\\\0")
+               or "" in key.split(".")]
         if odd:
             raise ProtocolError(
                 f"Protocol.grid key(s) {', '.join(map(repr, odd))} are not parameter names: a "
-                "grid key is a notebook parameter's name (a Python identifier), or a dotted "
-                "path of such names into a dict parameter (rule_params.traffic_rule), and it "
-                "becomes part of each run's directory name")
+                "grid key is a notebook parameter's name, or a dotted path into a dict "
+                "parameter (rule_params.traffic_rule), with no empty part and no '/', '\\' "
+                "or NUL: it becomes part of each run's directory name")
         if not self.name or _UNSAFE.search(self.name):
             raise ProtocolError(f"Protocol.name={self.name!r} is not allowed; use a non-empty "
                                 "name of ASCII letters, digits and . = , + - _ (it names "

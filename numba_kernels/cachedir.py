@@ -35,10 +35,24 @@ def ensure_cache_dir(source_file: str) -> str | None:
             return None
     except Exception:  # numba's internals moved: let numba say what it says
         return None
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    fallback = Path(tempfile.gettempdir()) / f"numba-cache-{uid}"
+    fallback = _private_dir(Path(tempfile.gettempdir()) / f"numba-cache-{os.getuid()}")
     config.CACHE_DIR = str(fallback)
     warnings.warn(f"numba cannot cache the compiled kernels beside {source_file} or in this "
                   f"user's cache directory (both read-only?); caching them in {fallback} "
                   "(set NUMBA_CACHE_DIR to choose another)", RuntimeWarning, stacklevel=2)
     return str(fallback)
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, made ours alone (0700); where another user owns it or others may write it
+    (a shared /tmp: numba's cache index is a pickle, so a planted one would run code), a
+    fresh private directory instead."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+        if path.is_dir() and not path.is_symlink() and st.st_uid == os.getuid() \
+                and not st.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="numba-cache-"))

@@ -683,3 +683,23 @@ def test_compute_bill_reads_each_run_from_its_own_directory(tmp_path):
                                          r"'rule-bp_seed-0' \(\S+/rule-bp_seed-0 does not "
                                          r"exist\); give the runs directory of the protocol"):
         compare.compute_bill(table, tmp_path / "elsewhere")
+
+
+def test_each_rules_lines_follow_its_own_records_order():
+    # One order for all rules, taken from the first run: a rule logging one more layer got
+    # it after fc, and `blocks.1 (last)` in the key.
+    import pandas as pd
+
+    def rows(run_id, names):
+        return [(run_id, "epoch", e, f"alignment/update_cos/{n}", 0.5) for e in (0, 1)
+                for n in names]
+    metrics = pd.DataFrame(rows("a-0", ["stem", "blocks.0", "fc"])
+                           + rows("b-0", ["stem", "blocks.0", "blocks.1", "fc"]),
+                           columns=["run_id", "axis", "index", "metric", "value"])
+    table = pd.DataFrame({"run_id": ["a-0", "b-0"], "rule": ["fa", "kp"]})
+    frame = compare.per_name_over_epochs(metrics, table, "alignment/update_cos/")
+    order = {rule: list(dict.fromkeys(part["name"])) for rule, part in frame.groupby("rule")}
+    assert order == {"fa": ["stem", "blocks.0", "fc"],
+                     "kp": ["stem", "blocks.0", "blocks.1", "fc"]}
+    ax = compare.lines_per_rule(frame, "cos").axes[1]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stem (first)", "fc (last)"]

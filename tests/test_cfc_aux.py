@@ -906,3 +906,21 @@ def test_the_recorded_csv_hash_is_of_the_prices_trained_on(tmp_path, monkeypatch
     config = cfc_aux.CfCAuxConfig(source="csv", csv_path=str(path), column="close")
     with pytest.raises(FileChanged, match=f"data file {path} changed while this run read it"):
         cfc_aux.build_run(config)
+
+
+def test_metadata_changes_during_a_read_are_not_content_changes(tmp_path):
+    # ctime moves with a chmod, `touch -a` or a hard link made meanwhile: not a new content.
+    import os
+
+    from lab.data.identity import file_identity, read_unchanged
+
+    path = tmp_path / "p.csv"
+    path.write_text("close\n1\n2\n")
+
+    def read_while_others_look():
+        os.chmod(path, 0o600)
+        os.link(path, tmp_path / "hard")
+        os.utime(path, ns=(1, path.stat().st_mtime_ns))  # atime only
+        return path.read_text()
+    ident, text = read_unchanged(path, read_while_others_look)
+    assert ident == file_identity(path) and text == "close\n1\n2\n"

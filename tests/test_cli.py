@@ -313,7 +313,7 @@ def test_runs_of_one_run_names_its_directory(tmp_path, capsys):
     assert sorted(runs_table(tmp_path)[0]["dir"]) == ["other", "try-kp"]
 
 
-@pytest.mark.parametrize("command", [["runs", ""], ["runs", " "], ["sweep", ""],
+@pytest.mark.parametrize("command", [["runs", ""], ["sweep", ""],
                                      ["report", ""], ["run", "", "--out", "x"]])
 def test_an_empty_path_to_read_is_refused(tmp_path, capsys, monkeypatch, command):
     # `lab runs "$DIR"` with DIR unset listed the working directory without a word.
@@ -364,12 +364,19 @@ def test_a_run_linked_in_from_elsewhere_is_listed(tmp_path, capsys):
     (runs / "b").symlink_to(elsewhere / "b", target_is_directory=True)
     (runs / "a" / "up").symlink_to(runs, target_is_directory=True)  # a loop
     (runs / "gone").symlink_to(tmp_path / "nothing")  # dangling
-    assert [p.parent.name for p in records.find_records(runs)] == ["a", "b"]
+    # a link to a tree that holds no runs (a dataset, /) is not walked
+    (tmp_path / "data" / "deep" / "r").mkdir(parents=True)
+    (tmp_path / "data" / "deep" / "r" / "record.json").write_text("{}")
+    (runs / "data").symlink_to(tmp_path / "data", target_is_directory=True)
+    # a linked directory of runs is
+    _record(tmp_path / "other-out" / "c", "complete")
+    (runs / "more").symlink_to(tmp_path / "other-out", target_is_directory=True)
+    assert [p.parent.name for p in records.find_records(runs)] == ["a", "b", "c"]
     table, bad = runs_table(runs)
-    assert list(table["dir"]) == ["a", "b"] and list(table["status"]) == ["complete"] * 2
-    assert sorted(records.load_runs(runs)["run_id"]) == ["a", "b"]
+    assert list(table["dir"]) == ["a", "b", "more/c"] and set(table["status"]) == {"complete"}
+    assert sorted(records.load_runs(runs)["run_id"]) == ["a", "b", "c"]
     assert cli_main(["runs", str(runs)]) == 0
-    assert {"a", "b"} <= set(capsys.readouterr().out.split())
+    assert {"a", "b", "more/c"} <= set(capsys.readouterr().out.split())
 
 
 def test_one_unreadable_record_does_not_hide_the_table(tmp_path, capsys):

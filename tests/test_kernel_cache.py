@@ -137,7 +137,8 @@ def test_a_read_only_install_caches_the_kernels_elsewhere(tmp_path):
     # function '_signals': no locator available"), so no training run could start.
     source = tmp_path / "k.py"
     source.write_text("x = 1\n")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"},
+           "TMPDIR": str(tmp_path)}  # the fallback is made there, not in /tmp
     run = subprocess.run([sys.executable, "-c", CACHE_FALLBACK, str(source)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -151,3 +152,23 @@ def test_a_read_only_install_caches_the_kernels_elsewhere(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env={**env, "NUMBA_CACHE_DIR": str(tmp_path / "mine")})
     assert run.stdout.split(" ")[:5] == ["None", "False", "False", "None", "0"]
+
+
+def test_the_fallback_cache_is_private(tmp_path, monkeypatch):
+    # A predictable /tmp/numba-cache-<uid> planted by another user (or open to others)
+    # would feed numba pickles: such a directory is not used.
+    from numba_kernels.cachedir import _private_dir
+
+    mine = _private_dir(tmp_path / "c")
+    assert mine == tmp_path / "c" and (mine.stat().st_mode & 0o777) == 0o700
+    open_ = tmp_path / "open"
+    open_.mkdir()
+    open_.chmod(0o777)
+    other = _private_dir(open_)
+    assert other != open_ and (other.stat().st_mode & 0o777) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(mine, target_is_directory=True)
+    linked = _private_dir(link)
+    assert linked != link
+    other.rmdir()
+    linked.rmdir()

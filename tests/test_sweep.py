@@ -116,9 +116,9 @@ def write_protocol(path: Path, **fields) -> Path:
     # a grid key is part of each run's directory name: "x./../../EVIL" wrote a run
     # outside out, "x.a/b" made nested directories the listing called missing
     ({"grid": {"opts./../../EVIL": [1]}}, r"Protocol.grid key\(s\) 'opts\./\.\./\.\./EVIL' "
-     r"are not parameter names: a grid key is a notebook parameter's name \(a Python "
-     r"identifier\), or a dotted path of such names into a dict parameter "
-     r"\(rule_params.traffic_rule\), and it becomes part of each run's directory name"),
+     r"are not parameter names: a grid key is a notebook parameter's name, or a dotted path "
+     r"into a dict parameter \(rule_params.traffic_rule\), with no empty part and no '/', "
+     r"'\\' or NUL: it becomes part of each run's directory name"),
     ({"grid": {"x": [1], "opts.a/b": [1], "opts.": [2]}},
      r"Protocol.grid key\(s\) 'opts.', 'opts.a/b' are not parameter names"),
     # true == 1 in Python, but they are two grid values: the override applied to seed 1
@@ -1305,3 +1305,16 @@ def test_a_lost_scheduler_is_told_as_such(tmp_path):
     # a task's own failure, scheduler alive: as before
     broken = _record_lost_worker(tmp_path, RunSpec("x", {}, {}), "KilledWorker: boom")
     assert (broken.status, broken.skipped, broken.error) == ("failed", False, "KilledWorker: boom")
+
+
+def test_a_dict_parameters_keys_may_be_any_text_in_a_grid_key(tmp_path):
+    # Keys inside a dict parameter need not be identifiers (weights.0, weights.a-b): fixed
+    # and -p set them, and the grid must too; only what is unsafe in a directory name is
+    # refused.
+    protocol = Protocol(name="t", notebook="nb", out="o",
+                        grid={"opts.0": [1, 2], "opts.a-b": [3], "ηlr": [0.1]})
+    assert sorted(spec.run_id for spec in expand(protocol)) == [
+        "opts.0-1_opts.a-b-3_ηlr-0.1", "opts.0-2_opts.a-b-3_ηlr-0.1"]
+    for key in ("opts..x", ".x", "x.", "a/b", "a\\b", "a\0b"):
+        with pytest.raises(ProtocolError, match="are not parameter names"):
+            Protocol(name="t", notebook="nb", out="o", grid={key: [1]})

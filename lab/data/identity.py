@@ -44,8 +44,10 @@ class FileChanged(RuntimeError):
 
 
 def _stamp(path: Path) -> tuple:
+    # What a write or a replacement changes; not ctime, which a chmod, a `touch -a` or a
+    # hard link made meanwhile moves without touching the content.
     st = path.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def read_unchanged(path: str | Path, read):
