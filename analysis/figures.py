@@ -286,12 +286,16 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
     for ax, field in zip(axes, fields):
         on = axis or row_axis(metrics, [field])
         bands = curve_bands(metrics, table, group_keys, field, on)
+        empty = []
         for k, (group, rows) in enumerate(bands.groupby("group", sort=True)):
             # Line styles cycle too: groups with equal values (a control and a rule that
             # changes nothing) hid each other's lines.
             # A seed with no value at a row (NaN): the mean there is over fewer seeds,
             # drawn as an open circle, and the label gives n's range.
             n = rows["n"]
+            if not n.max():  # no finite value at all (an undefined cosine): said, not drawn
+                empty.append(group)
+                continue
             count = f"n={n.max()}" if n.min() == n.max() else f"n={n.min()}-{n.max()}"
             # a few evaluations (val_acc at two steps) get markers: a bare segment between
             # two points read as a measured curve
@@ -306,6 +310,9 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
                         markersize=5, color=line.get_color(), label="_fewer seeds")
             if group not in handles or "-" in count:  # a range, wherever seen, is said
                 handles[group] = (line, line.get_label())
+        if empty:
+            ax.text(0.02, 0.98, f"no value for: {', '.join(empty)}", transform=ax.transAxes,
+                    ha="left", va="top", fontsize="x-small", wrap=True)
         style_axes(ax, on, _label(field))
     if handles:
         # One legend for every panel, below them: inside a panel it covered the curves.

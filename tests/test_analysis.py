@@ -359,6 +359,16 @@ def test_a_seed_missing_at_a_row_is_shown_not_hidden():
     assert legend.get_title().get_text().startswith("mean over seeds, band +-1 std")
 
 
+def test_a_group_with_no_value_is_named_not_drawn():
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    metrics = data.metrics.copy()
+    gone = metrics["run_id"].str.startswith("lr-0.2") & (metrics["metric"] == "train_loss")
+    metrics.loc[gone, "value"] = float("nan")
+    ax = learning_curves(metrics, data.table(), data.group_keys, ["train_loss"]).get_axes()[0]
+    assert [line.get_label() for line in ax.lines] == ["lr=0.05, rule=bp (n=2)"]
+    assert [t.get_text() for t in ax.texts] == ["no value for: lr=0.2, rule=bp"]
+
+
 def test_six_panels_wrap_into_rows_of_three():
     data = load_protocol_runs(FIXTURE / "protocol.yaml")
     fields = ["train_loss", "val_acc", "train_acc", "val_loss", "train_loss", "val_acc"]
