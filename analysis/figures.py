@@ -276,30 +276,31 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
             _one_axis("learning_curves", metrics, table, field)
     # At most three panels a row: six in one row became unreadably small in a notebook.
     cols = min(3, len(fields))
-    rows_ = -(-len(fields) // cols)
-    fig = NotebookFigure(figsize=(_PANEL[0] * cols, _PANEL[1] * rows_ + 0.6),
+    n_rows = -(-len(fields) // cols)
+    fig = NotebookFigure(figsize=(_PANEL[0] * cols, _PANEL[1] * n_rows + 0.6),
                          layout="constrained")
-    axes = fig.subplots(rows_, cols, squeeze=False).ravel()
+    axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
     for ax in axes[len(fields):]:
         ax.set_visible(False)
-    handles: dict[str, tuple] = {}
+    handles: dict[str, object] = {}  # group -> its line for the figure's legend
     for ax, field in zip(axes, fields):
         on = axis or row_axis(metrics, [field])
         bands = curve_bands(metrics, table, group_keys, field, on)
         empty = []
         for k, (group, rows) in enumerate(bands.groupby("group", sort=True)):
-            # Line styles cycle too: groups with equal values (a control and a rule that
-            # changes nothing) hid each other's lines.
-            # A seed with no value at a row (NaN): the mean there is over fewer seeds,
-            # drawn as an open circle, and the label gives n's range.
             n = rows["n"]
             if not n.max():  # no finite value at all (an undefined cosine): said, not drawn
                 empty.append(group)
                 continue
+            # A seed with no value at a row (NaN): the mean there is over fewer seeds, drawn
+            # as an open circle, and the label gives n's range.
             count = f"n={n.max()}" if n.min() == n.max() else f"n={n.min()}-{n.max()}"
-            # a few evaluations (val_acc at two steps) get markers: a bare segment between
-            # two points read as a measured curve
-            line, = ax.plot(rows[on], rows["mean"], linestyle=_STYLES[k % len(_STYLES)],
+            # Colour and style by the group's place, in every panel alike (one legend for
+            # all); styles too, so groups with equal values do not hide each other. A few
+            # evaluations (val_acc at two steps) get markers: a bare segment between two
+            # points read as a measured curve.
+            line, = ax.plot(rows[on], rows["mean"], color=f"C{k % 10}",
+                            linestyle=_STYLES[k % len(_STYLES)],
                             marker="." if len(rows) <= 12 else None, label=f"{group} ({count})")
             std = rows["std"].fillna(0.0)  # one seed: no band
             ax.fill_between(rows[on], rows["mean"] - std, rows["mean"] + std,
@@ -309,14 +310,14 @@ def learning_curves(metrics: pd.DataFrame, table: pd.DataFrame, group_keys: Sequ
                 ax.plot(fewer[on], fewer["mean"], "o", markerfacecolor="none",
                         markersize=5, color=line.get_color(), label="_fewer seeds")
             if group not in handles or "-" in count:  # a range, wherever seen, is said
-                handles[group] = (line, line.get_label())
+                handles[group] = line
         if empty:
             ax.text(0.02, 0.98, f"no value for: {', '.join(empty)}", transform=ax.transAxes,
                     ha="left", va="top", fontsize="x-small", wrap=True)
         style_axes(ax, on, _label(field))
     if handles:
         # One legend for every panel, below them: inside a panel it covered the curves.
-        fig.legend([h for h, _ in handles.values()], [lab for _, lab in handles.values()],
+        fig.legend(list(handles.values()), [h.get_label() for h in handles.values()],
                    loc="outside lower center", ncol=min(3, len(handles)), fontsize="small",
                    title="mean over seeds, band +-1 std (open circle: fewer seeds there)",
                    title_fontsize="small")

@@ -369,13 +369,28 @@ def test_a_group_with_no_value_is_named_not_drawn():
     assert [t.get_text() for t in ax.texts] == ["no value for: lr=0.2, rule=bp"]
 
 
+def test_a_group_keeps_its_colour_in_every_panel():
+    # One legend serves all panels: a group with no value in one panel (skipped there)
+    # shifted the colour cycle, so the next group took its colour in that panel only.
+    data = load_protocol_runs(FIXTURE / "protocol.yaml")
+    metrics = data.metrics.copy()
+    gone = metrics["run_id"].str.startswith("lr-0.05") & (metrics["metric"] == "train_loss")
+    metrics.loc[gone, "value"] = float("nan")
+    first, second = learning_curves(metrics, data.table(), data.group_keys,
+                                    ["train_loss", "val_acc"]).get_axes()
+    colour = {line.get_label(): line.get_color() for line in second.lines}
+    (kept,) = first.lines
+    assert kept.get_label() == "lr=0.2, rule=bp (n=2)"
+    assert kept.get_color() == colour["lr=0.2, rule=bp (n=2)"] != colour["lr=0.05, rule=bp (n=2)"]
+
+
 def test_six_panels_wrap_into_rows_of_three():
     data = load_protocol_runs(FIXTURE / "protocol.yaml")
     fields = ["train_loss", "val_acc", "train_acc", "val_loss", "train_loss", "val_acc"]
     fig = learning_curves(data.metrics, data.table(), data.group_keys, fields)
     shown = [ax for ax in fig.get_axes() if ax.get_visible()]
     assert len(shown) == 6
-    assert sorted({round(ax.get_position().y0, 3) for ax in shown}).__len__() == 2
+    assert len({round(ax.get_position().y0, 3) for ax in shown}) == 2  # two rows
 
 
 def test_analysis_does_not_import_torch():

@@ -58,7 +58,7 @@ from ..config import (
     validate,
 )
 from ..data import DataError
-from ..data.identity import absolute, file_identity, read_unchanged
+from ..data.identity import absolute, read_unchanged
 from ..data.prices import (
     DEFAULT_SYMBOL,
     SOURCES,
@@ -236,16 +236,15 @@ def load_prices(config: CfCAuxConfig):
     return prices, f"synthetic {config.synthetic}"
 
 
-def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader,
-                  csv: dict | None = None) -> dict:
+def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader, csv: dict | None) -> dict:
     """What identifies a run's data (``record["data"]``, checked on resume): the CSV file's
     path, size and hash; the bundled vega series' symbol, length and hash (vega_datasets may
     change under an installed run); a synthetic series is fixed by the config; and the split
     the loader actually made (the clamp can move it off ``val_fraction``). ``csv``: the
-    CSV's identity taken as it was read (``build_run``), else it is hashed now."""
+    CSV's identity taken as it was read (``build_run``'s ``Run.csv``; None for the others)."""
     identity = {"split": data.split_sizes()}
     if config.source == "csv":
-        identity["csv"] = csv if csv is not None else file_identity(config.csv_path)
+        identity["csv"] = csv
     elif config.source == "vega":
         identity["vega"] = vega_identity(config.symbol)
     return identity
