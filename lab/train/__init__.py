@@ -1,9 +1,25 @@
 """Trainers on one run lifecycle (``lab.lifecycle``): conv (ResNet + any rule), cascaded EP
-for a causal transformer with a backprop twin, and CfC with an auxiliary supervision path."""
+for a causal transformer with a backprop twin, and CfC with an auxiliary supervision path.
 
-from .cfc_aux import CfCAuxConfig, train_cfc_aux
-from .conv import ConvConfig, build_run, train_conv
-from .ep import EPConfig, train_ep
+Names load on first use (PEP 562), so a notebook that trains one of them does not pay
+for importing the other two.
+"""
 
-__all__ = ["CfCAuxConfig", "ConvConfig", "EPConfig", "build_run", "train_cfc_aux", "train_conv",
-           "train_ep"]
+from importlib import import_module
+
+_WHERE = {
+    "CfCAuxConfig": "cfc_aux", "train_cfc_aux": "cfc_aux",
+    "ConvConfig": "conv", "build_run": "conv", "train_conv": "conv",
+    "EPConfig": "ep", "train_ep": "ep",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lab.train' has no attribute {name!r}")
+    return getattr(import_module(f".{_WHERE[name]}", __name__), name)
+
+
+def __dir__():
+    return __all__
