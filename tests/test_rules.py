@@ -930,7 +930,7 @@ def test_a_bad_rule_parameter_names_the_rule_and_the_key_as_written(rule, params
 
 
 def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
-    # The README's "Your own rule" block, as written there: it registers, trains, and with
+    # docs/extending.md's "Your own rule" block, as written there: it registers, trains, and with
     # scale 1/2 at twice the learning rate takes bp's steps (both factors powers of two).
     import re
     from pathlib import Path
@@ -938,7 +938,7 @@ def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
     from lab.rules.registry import RULES
     from lab.train import ConvConfig, train_conv
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     section = readme[readme.index("### Your own rule"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     import sys
@@ -947,7 +947,7 @@ def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
     module = types.ModuleType("readme_rule")  # dataclasses look their module up
     sys.modules["readme_rule"] = module
     try:
-        exec(compile(code, "README.md", "exec"), module.__dict__)
+        exec(compile(code, "docs/extending.md", "exec"), module.__dict__)
         assert RULES["scaled_bp"].__name__ == "ScaledBackprop"
         tiny = dict(depth=8, width=4, epochs=2, n_train=128, batch_size=32, threads=1,
                     progress=False, schedule="constant", weight_decay=0.0, dtype="float64")
@@ -968,18 +968,18 @@ def test_the_readme_recipe_for_a_rule_of_ones_own_trains(tmp_path):
 
 
 def test_the_readme_recipe_for_ones_own_model_trains_and_detaches():
-    # The README's "Your own model" block, as written there: prepare, ten kp steps that
+    # docs/extending.md's "Your own model" block, as written there: prepare, ten kp steps that
     # move the weights, then detach() leaves a model whose backward is autograd's.
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     section = readme[readme.index("### Your own model"):readme.index("### Your own rule")]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "rule.prepare(x, y)" in code
     namespace: dict = {}
     torch.manual_seed(0)
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/extending.md", "exec"), namespace)
     model, x, y = namespace["model"], namespace["x"], namespace["y"]
     assert math.isfinite(float(namespace["loss"]))
     model.zero_grad(set_to_none=True)
