@@ -50,7 +50,9 @@ lint: $(STAMP)
 # work stealing so the long end-to-end tests do not finish last on one worker:
 # 7 min 12 s of pytest on this 2-core host (9 min 25 s before). The float64
 # kernels the tests use are compiled first, once, rather than by both workers.
+# The import contracts first (pyproject.toml [tool.importlinter]; well under a second).
 test: $(STAMP) lint
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m numba_kernels.warm --float64
 	$(PY) -m pytest -q -n 2 --dist worksteal
 

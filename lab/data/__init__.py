@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "Split", "content_identity", "default_data_dir",
-           "load_dataset", "train_size"]
+           "load_dataset", "sha256_bytes", "train_size"]
 
 DATASETS = ("mnist1d", "digits", "cifar10")
 
@@ -150,6 +150,12 @@ def load_dataset(
     )
 
 
+def sha256_bytes(data: bytes) -> str:
+    """The sha256 (hex) of data held in memory: a source's identity when it has no file of
+    its own to hash (the bundled text, the vega prices)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def _content(name: str, root: Path, arrays) -> dict:
     # The hash is of the arrays as read (before scaling), not of the files: MNIST-1D's
     # cache is rewritten with new zip timestamps whenever it is regenerated, and the
@@ -182,6 +188,7 @@ def _cached_content(name: str, root: Path, stamps: tuple) -> tuple:
 
 
 def _file_stamps(name: str, root: Path) -> tuple:
+    # (the per-dataset modules lazily, as in _load_raw)
     if name == "mnist1d":
         from lab.data.mnist1d import cache_path
         files = [cache_path(root)]

@@ -24,7 +24,7 @@ _MAX_PIXEL = 16.0  # pixel values are counts of set bits in 4x4 blocks: 0..16
 def load_arrays(data_dir: Path | None = None) -> tuple[np.ndarray, ...]:
     """(x_train (N, 1, 8, 8), y_train (N,), x_test, y_test) as raw pixel counts."""
     del data_dir  # bundled with sklearn; nothing to read from disk
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # scikit-learn is slow to import: only here
 
     bunch = load_digits()
     x = np.asarray(bunch.images, dtype=np.float64)[:, None, :, :]  # (N, 1, 8, 8)

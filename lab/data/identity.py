@@ -24,10 +24,6 @@ def absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve()) if path else ""
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def file_identity(path: str | Path) -> dict:
     """{"path": absolute path, "size": bytes, "sha256": hex digest} of one file."""
     path = Path(path).expanduser().resolve()

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import DataError
+from . import DataError, sha256_bytes
 
 SOURCES = ("vega", "csv", "synthetic")
 SYNTHETIC_KINDS = ("random_walk", "constant", "regimes")
@@ -78,8 +78,6 @@ def vega_identity(symbol: str) -> dict:
     """What identifies the bundled vega series a run reads (no file path to hash: the data
     lives inside the installed vega_datasets): the symbol, its months and the sha256 of the
     prices as read (float64), so a changed vega_datasets is noticed on resume and after."""
-    from .identity import sha256_bytes
-
     prices = np.ascontiguousarray(vega_prices(symbol), dtype=np.float64)
     return {"vega": symbol, "length": int(prices.shape[-1]),
             "sha256": sha256_bytes(prices.tobytes())}
@@ -87,7 +85,7 @@ def vega_identity(symbol: str) -> dict:
 
 def csv_prices(path: str | Path, column: str) -> np.ndarray:
     """The column ``column`` of the CSV file ``path``, in file order (oldest first)."""
-    import pandas as pd
+    import pandas as pd  # slow to import: only for a CSV source
 
     path = Path(path).expanduser()
     if not path.is_file():

@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import sha256_bytes
+from .identity import file_identity
+
 BUNDLED = "pydoc_data.topics"
 
 
@@ -63,8 +66,6 @@ def text_identity(text_path: str = "") -> dict:
     """What identifies the corpus at ``text_path``: the file's absolute path, size and
     sha256, or for the bundled corpus its source, length and sha256 (its text follows the
     Python version, so a resume under a Python whose help text differs is caught too)."""
-    from .identity import file_identity, sha256_bytes
-
     if text_path:
         return file_identity(text_path)
     text = bundled_text()
