@@ -483,6 +483,93 @@ def test_lift_thresholds_are_strict():
     assert row["lifted"] == 1 and row["lift_step"] == 0
 
 
+# --- the lift's accuracy arm (issue 36): the Huber arm alone must not lift -------------------
+
+
+def _crafted_rows(monkeypatch, huber, acc, **kw):
+    """A run whose aux signals per step are the given (steps x horizons) values: the real
+    forward pass, with its aux Huber and accuracy replaced before the trainer's EMAs and lift
+    decision read them (default thresholds: Huber EMA < 0.4, accuracy EMA > 0.85)."""
+    real, step = cfc_aux.forward_losses, iter(range(len(huber)))
+
+    def crafted(run, batch, lifted):
+        out, s = real(run, batch, lifted), next(step)
+        # float64: 0.85 itself, not float32's 0.85000002 (which is above the threshold)
+        out["aux_huber"], out["aux_acc"] = (torch.tensor(v[s], dtype=torch.float64)
+                                            for v in (huber, acc))
+        return out
+    monkeypatch.setattr(cfc_aux, "forward_losses", crafted)
+    return train_cfc_aux(_config(steps=len(huber), eval_every=0, **kw))["steps"]
+
+
+def _first_healthy(rows, config):
+    """The first step < lift_window at which every recorded EMA is past its threshold (the
+    lift rule read off the rows, apart from the trainer's own decision), or None."""
+    window = config.lift_window or len(rows)
+    return next((s for s, r in enumerate(rows[:window])
+                 if all(v < config.lift_huber for v in r["aux_huber_ema"].values())
+                 and all(v > config.lift_acc for v in r["aux_acc_ema"].values())), None)
+
+
+@pytest.mark.parametrize("acc", [(0.8, 0.84, 0.5), (1.0, 0.85, 1.0)],
+                         ids=["all-below", "one-at-the-threshold"])
+def test_no_lift_while_only_the_huber_arm_holds(monkeypatch, acc):
+    """Huber EMA 0.1 on every horizon from step 0; accuracy EMAs constant, all below 0.85 or
+    one exactly at it (strict: not above): the lift never fires."""
+    rows = _crafted_rows(monkeypatch, [[0.1, 0.1, 0.1]] * 30, [list(acc)] * 30)
+    config = _config()
+    assert (config.lift_huber, config.lift_acc, config.lift_window) == (0.4, 0.85, 200)
+    for r in rows:  # a constant input keeps its EMA exactly at that constant
+        assert list(r["aux_huber_ema"].values()) == [0.1] * 3
+        assert list(r["aux_acc_ema"].values()) == list(acc)
+    assert all(r["lifted"] == 0 and r["lift_step"] is None for r in rows)
+
+
+def test_lift_fires_at_the_step_the_accuracy_crosses_last(monkeypatch):
+    """Raw signals whose EMAs (plain averages over the first 20 updates at decay 0.95) are
+    computed by hand: Huber [1, 0, 0, ...] on h1 averages 1/n, below 0.4 from update 3
+    (step 2); accuracy [0, 1, 1, ...] on h3 averages (n-1)/n, above 0.85 from update 7
+    (6/7 = 0.857; 5/6 = 0.833), and [0.5, 1, ...] on h8 from update 4. So the Huber arm
+    holds from step 2 and the accuracy arm from step 6: the lift fires at step 6 exactly."""
+    n = 12
+    huber = [[1.0 if s == 0 else 0.0, 0.1, 0.1] for s in range(n)]
+    acc = [[1.0, 0.0 if s == 0 else 1.0, 0.5 if s == 0 else 1.0] for s in range(n)]
+    rows = _crafted_rows(monkeypatch, huber, acc)
+    config = _config()
+    huber_arm = [all(v < 0.4 for v in r["aux_huber_ema"].values()) for r in rows]
+    acc_arm = [all(v > 0.85 for v in r["aux_acc_ema"].values()) for r in rows]
+    assert huber_arm.index(True) == 2 and all(huber_arm[2:])
+    assert acc_arm.index(True) == 6 and all(acc_arm[6:])
+    assert rows[5]["aux_acc_ema"]["h3"] == pytest.approx(5 / 6, abs=1e-12)
+    assert rows[6]["aux_acc_ema"]["h3"] == pytest.approx(6 / 7, abs=1e-12)
+    assert _first_healthy(rows, config) == 6
+    assert [r["lifted"] for r in rows] == [int(s >= 6) for s in range(n)]
+    assert all(r["lift_step"] == (6 if s >= 6 else None) for s, r in enumerate(rows))
+
+
+@pytest.mark.parametrize("drift", [0.01, 0.005])
+def test_lift_of_a_trained_aux_path_waits_for_its_accuracy(drift):
+    """Unforced training on a drifting random walk (default thresholds): the aux Huber EMA
+    falls below 0.4 well before the direction-accuracy EMA passes 0.85 (drift 0.01) or while
+    it never does (drift 0.005). The lift fires exactly at the first step where both arms
+    hold, read off the recorded EMAs, with the Huber arm already holding the step before;
+    or never."""
+    config = _config(synthetic="random_walk", drift=drift, steps=150, eval_every=0)
+    rows = train_cfc_aux(config)["steps"]
+    huber_arm = [all(v < config.lift_huber for v in r["aux_huber_ema"].values()) for r in rows]
+    acc_arm = [all(v > config.lift_acc for v in r["aux_acc_ema"].values()) for r in rows]
+    expected = _first_healthy(rows, config)
+    assert any(huber_arm), "the Huber arm never held: the case tests nothing"
+    if drift == 0.005:
+        assert expected is None and not any(acc_arm)
+        assert all(r["lifted"] == 0 and r["lift_step"] is None for r in rows)
+        return
+    assert expected is not None and expected > huber_arm.index(True)
+    assert huber_arm[expected - 1] and not acc_arm[expected - 1]  # the accuracy crossed last
+    assert rows[-1]["lift_step"] == expected
+    assert [r["lifted"] for r in rows] == [int(s >= expected) for s in range(len(rows))]
+
+
 def test_expectation_without_periodic_validation():
     expect = cfc_aux.expectation(_config(eval_every=0))
     assert expect.periodic == () and expect.final == ("val_loss", "val_acc")

@@ -124,6 +124,28 @@ def test_large_beta_departs_from_backprop():
     assert min(v for k, v in cos.items() if k != "overall") < 0.999
 
 
+def _relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all parameters as one vector."""
+    a, b = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_ep_bias_is_first_order_in_beta(K):
+    """The cosine with BP is ~1 by construction; the bias is what beta changes, and it is
+    O(beta): in float64, ten times less beta gives ten times less relative error (log-log
+    slope 1; an O(beta^2) bias would give 2, no bias a rounding floor with slope ~0)."""
+    model = _model(n_layers=3)
+    x, y = _batch()
+    bp, _ = bp_gradient(model, x, y)
+    errors = [_relative_error(ep_gradient(model, x, y, beta=beta, K=K).grads, bp)
+              for beta in (1e-3, 1e-2)]
+    slope = math.log10(errors[1] / errors[0])
+    assert 0.8 < slope < 1.2, (errors, slope)
+    # A real bias, far above float64 rounding, yet small at these beta.
+    assert 1e-7 < errors[0] < errors[1] < 1e-2, errors
+
+
 # ---------------------------------------------------------------------------
 # dedup: what one EP step evaluates
 
