@@ -135,6 +135,11 @@ class Protocol:
     # grid key -> {grid value -> {parameter: value}}: settings that belong to one
     # grid value (e.g. a rule's own learning rate), applied over `fixed`.
     overrides: dict = dataclasses.field(default_factory=dict)
+    # Fragments (YAML files with `fixed` and/or `overrides`) merged in at load: what a
+    # selection protocol chose (`lab select`, analysis.select). Absolute once loaded.
+    include: list = dataclasses.field(default_factory=list)
+    # A selection protocol's choice (analysis.select reads it; a sweep ignores it).
+    select: dict = dataclasses.field(default_factory=dict)
     source: str = ""  # the YAML file it came from
 
     def __post_init__(self):
@@ -566,13 +571,69 @@ def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Prot
     that exists where the runs were made): for listing runs made elsewhere.
     """
     path = Path(path).resolve()
-    protocol = _build(_read_yaml(path), path)
+    protocol = _build(_included(_read_yaml(path), path), path)
     spec = _check_notebook(protocol, configs)
     _check_report(protocol)
     expand(protocol)  # duplicate run ids are a protocol error, found now
     if configs:
         _check_runs(protocol, spec, preflight)
     return protocol
+
+
+INCLUDABLE = ("fixed", "overrides")
+
+
+def _included(data: dict, path: Path) -> dict:
+    """``data`` with each ``include`` fragment's ``fixed`` and ``overrides`` merged in; a
+    parameter set both in the protocol and in a fragment (or in two fragments) is refused,
+    so what a selection chose never silently loses to, or beats, a hand-written value."""
+    names = data.get("include") or []
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ProtocolError(f"protocol {path}: include={data.get('include')!r}; give a file "
+                            "name or a list of them (relative to the protocol file)")
+    merged = {key: dict(data.get(key) or {}) for key in INCLUDABLE}
+    owner: dict[tuple, str] = {}
+    for key in merged["fixed"]:
+        owner["fixed", key] = str(path)
+    for grid_key, table in merged["overrides"].items():
+        for value, params in (table or {}).items() if isinstance(table, dict) else ():
+            for name in params or {} if isinstance(params, dict) else ():
+                owner["overrides", grid_key, value, name] = str(path)
+    files = []
+    for name in names:
+        file = (path.parent / Path(name).expanduser()).resolve()
+        if not file.is_file():
+            raise ProtocolError(
+                f"protocol {path}: include {name!r} ({file}) does not exist; an included "
+                "fragment is what `lab select` writes from a selection protocol (its "
+                "select.into): run that first, or remove the include")
+        fragment = read_yaml_mapping(file, "included fragment", ProtocolError,
+                                     "a YAML mapping with fixed and/or overrides")
+        odd = sorted(set(fragment) - set(INCLUDABLE))
+        if odd:
+            raise ProtocolError(f"included fragment {file}: key(s) {', '.join(odd)} cannot be "
+                                f"included; a fragment holds {' and/or '.join(INCLUDABLE)}")
+        places = [(("fixed", k), v, merged["fixed"], k)
+                  for k, v in (fragment.get("fixed") or {}).items()]
+        for grid_key, table in (fragment.get("overrides") or {}).items():
+            into = merged["overrides"].setdefault(grid_key, {})
+            for value, params in (table or {}).items():
+                target = into.setdefault(value, {})
+                places += [(("overrides", grid_key, value, k), v, target, k)
+                           for k, v in (params or {}).items()]
+        for where, value, target, key in places:
+            if where in owner:
+                raise ProtocolError(
+                    f"protocol {path}: {'.'.join(map(str, where))} is set both in "
+                    f"{owner[where]} and in the included fragment {file}; keep it in one "
+                    "place (a chosen value belongs to the fragment)")
+            owner[where] = str(file)
+            target[key] = value
+        files.append(str(file))
+    if not names:
+        return data
+    return {**data, **{k: v for k, v in merged.items() if v or k in data}, "include": files}
 
 
 # One file name is at most 255 bytes (ext4, XFS, APFS...); `--force` renames a run to
