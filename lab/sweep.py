@@ -584,9 +584,10 @@ INCLUDABLE = ("fixed", "overrides")
 
 
 def _included(data: dict, path: Path) -> dict:
-    """``data`` with each ``include`` fragment's ``fixed`` and ``overrides`` merged in; a
-    parameter set both in the protocol and in a fragment (or in two fragments) is refused,
-    so what a selection chose never silently loses to, or beats, a hand-written value."""
+    """``data`` with each ``include`` fragment's ``fixed`` and ``overrides`` merged in (an
+    override for a grid value this protocol does not run is left out); a parameter set
+    both in the protocol and in a fragment (or in two fragments) is refused, so what a
+    selection chose never silently loses to, or beats, a hand-written value."""
     names = data.get("include") or []
     names = [names] if isinstance(names, str) else names
     if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
@@ -616,10 +617,15 @@ def _included(data: dict, path: Path) -> dict:
                                 f"included; a fragment holds {' and/or '.join(INCLUDABLE)}")
         places = [(("fixed", k), v, merged["fixed"], k)
                   for k, v in (fragment.get("fixed") or {}).items()]
+        grid = data.get("grid") if isinstance(data.get("grid"), dict) else {}
         for grid_key, table in (fragment.get("overrides") or {}).items():
-            into = merged["overrides"].setdefault(grid_key, {})
+            # One fragment serves several protocols: entries for grid values this
+            # protocol does not run are not for it.
+            here = {_identity(v) for v in grid.get(grid_key) or []}
             for value, params in (table or {}).items():
-                target = into.setdefault(value, {})
+                if _identity(value) not in here:
+                    continue
+                target = merged["overrides"].setdefault(grid_key, {}).setdefault(value, {})
                 places += [(("overrides", grid_key, value, k), v, target, k)
                            for k, v in (params or {}).items()]
         for where, value, target, key in places:
