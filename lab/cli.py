@@ -23,7 +23,6 @@ inside another run's directory or one that already holds run directories).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -36,14 +35,16 @@ import textwrap
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-import yaml
+import click
 
 from . import runlock
 from .config import (
     ConfigError,
     DuplicateKeyError,
+    YAMLError,
     as_dict,
     dotted_parent,
     load_yaml,
@@ -78,7 +79,7 @@ def parse_value(text: str, key: str | None = None):
     except DuplicateKeyError as err:  # a dict, but which value was meant is unknown
         where = f"-p {key} {text!r}" if key is not None else repr(text)
         raise ConfigError(f"{where}: {err.problem}") from None
-    except yaml.YAMLError:
+    except YAMLError:
         return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
     if value is None and not _NULL.match(text.strip()):
         return text
@@ -143,29 +144,6 @@ def _interrupted(out) -> int:
         print(f"\ninterrupted; run the same command again to resume {out} from its last "
               "checkpoint", file=sys.stderr)
     return 130
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (the benchmarks' --rounds, --threads ...): an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _workers(text: str) -> int:
-    """argparse type of --workers: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--workers {text!r}: give a whole number >= 1 "
-                                         "(local Dask worker processes)")
-    return value
 
 
 def _replace(force: bool) -> str:
@@ -709,80 +687,121 @@ def _report(args) -> int:
     return 0
 
 
-# A -p value argparse would take for an option: a negative number it does not know as
-# one (it knows -5 and -0.5, not -1e-3 or -.5e-1).
-_NEGATIVE_NUMBER = re.compile(r"^-(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
-                              r"|\.?inf(?:inity)?)$", re.IGNORECASE)
-_SHIELD = "\0"  # put before such a value so argparse reads it as a value; taken off after
+# ---------------------------------------------------------------------------
+# the command line (click parses; each command runs outside it, so Ctrl-C, SIGTERM and a
+# closed pipe are handled here, not turned into click's "Aborted!")
 
 
-class ArgvError(ValueError):
-    """A command line argparse would misread (e.g. -p KEY followed by an option)."""
-
-
-def _is_param_flag(token: str) -> bool:
-    return token == "-p" or (len(token) >= 3 and "--param".startswith(token))
-
-
-def shield_values(argv: list[str]) -> list[str]:
-    """``argv`` with each ``-p KEY VALUE`` whose VALUE starts with "-" made safe for
-    argparse: a number (``-1e-3``, ``-.5e-1``, ``-inf``) is shielded, so it stays the
-    value; anything else after ``-p KEY`` that starts with "-" is an option where the
-    value should be, an ArgvError that says so."""
-    out = list(argv)
-    if not out or out[0] not in ("train", "run"):  # the commands that take -p
-        return out
-    i = 1
-    while i < len(out):
-        token = out[i]
-        if token == "--":
-            break
-        if not _is_param_flag(token) or i + 2 >= len(out):
-            i += 1
-            continue
-        key, value = out[i + 1], out[i + 2]
-        if value.startswith("-") and value != "-":
-            if not _NEGATIVE_NUMBER.match(value):
-                raise ArgvError(
-                    f"{token} {key} has no value: next comes {value!r}, which is read as an "
-                    "option; give -p KEY VALUE (a text value that starts with '-' can be "
-                    f"written with a space before it: {token} {key} ' {value}')")
-            out[i + 2] = _SHIELD + value
-        i += 3
-    return out
-
-
-def _unshield(args) -> None:
-    if getattr(args, "param", None):
-        args.param = [[key, value.removeprefix(_SHIELD)] for key, value in args.param]
-
-
-def _user_path(text: str) -> str:
-    """A path argument with ``~`` expanded, as the shell would unquoted (a quoted
+def _user_path(ctx, param, value):
+    """A path (or several) with ``~`` expanded, as the shell would unquoted (a quoted
     ``"~/runs"`` would otherwise make a folder literally named ``~``)."""
-    return os.path.expanduser(text)
+    if isinstance(value, tuple):
+        return [os.path.expanduser(v) for v in value]
+    return value if value is None else os.path.expanduser(value)
 
 
-def _given_path(text: str) -> str:
-    """A path to read (a notebook, a protocol, runs to list), never empty: ``lab runs
-    "$DIR"`` with DIR unset would list the working directory without saying so. (A blank
-    --out is refused by the run-directory checks, with the same advice.)"""
-    if not text:  # (" " may be a directory's name: it is looked up like any other)
-        raise argparse.ArgumentTypeError(
-            f"an empty path ({text!r}); give a path (is a shell variable unset?); . is the "
-            "working directory")
-    return _user_path(text)
+def _given_path(ctx, param, value):
+    """A path to read, never empty: ``lab runs "$DIR"`` with DIR unset would list the
+    working directory without saying so (" " may be a directory's name)."""
+    if not value:
+        raise click.BadParameter(f"an empty path ({value!r}); give a path (is a shell "
+                                 "variable unset?); . is the working directory")
+    return os.path.expanduser(value)
 
 
-def _params_args(parser) -> None:
-    parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="a parameter (value parsed as YAML; a dotted key sets one key "
-                             "inside a dict parameter); repeatable")
-    parser.add_argument("-f", "--file", action="append", type=_user_path,
-                        help="YAML file of parameters; repeatable, a later file and then -p "
-                             "win over an earlier one")
-    parser.add_argument("--force", action="store_true",
-                        help="replace a run already in --out (moved aside, never deleted)")
+def _pairs(ctx, param, pairs):
+    """``-p KEY VALUE``: click takes the two words after -p as they are, so a negative
+    number is a value (``-p lr -1e-3``); an option there (``-p x --force``) is a
+    forgotten value, refused rather than taken as the text."""
+    for key, value in pairs:
+        if value.startswith("-") and value != "-":
+            number = parse_value(value, key)
+            if not isinstance(number, int | float) or isinstance(number, bool):
+                raise ConfigError(
+                    f"-p {key} has no value: next comes {value!r}, which is read as an "
+                    "option; give -p KEY VALUE (a text value that starts with '-' can be "
+                    f"written with a space before it: -p {key} ' {value}')")
+    return [list(pair) for pair in pairs]
+
+
+def _workers(ctx, param, text):
+    try:
+        value = None if text is None else int(text)
+    except ValueError:
+        value = 0
+    if value is not None and value < 1:
+        raise click.UsageError(f"--workers {text!r}: give a whole number >= 1 (local Dask "
+                               "worker processes)")
+    return value
+
+
+def _run_options(command):
+    """--out, -p, -f and --force: what `lab train` and `lab run` share."""
+    for option in reversed([
+        click.option("--out", required=True, callback=_user_path, help="run directory"),
+        click.option("-p", "--param", nargs=2, multiple=True, metavar="KEY VALUE",
+                     callback=_pairs, help="a parameter (value parsed as YAML; a dotted key "
+                     "sets one key inside a dict parameter); repeatable"),
+        click.option("-f", "--file", multiple=True, callback=_user_path,
+                     help="YAML file of parameters; repeatable, a later file and then -p win "
+                     "over an earlier one"),
+        click.option("--force", is_flag=True,
+                     help="replace a run already in --out (moved aside, never deleted)")]):
+        command = option(command)
+    return command
+
+
+@click.group(help=__doc__.splitlines()[0],
+             context_settings={"help_option_names": ["-h", "--help"]})
+def _cli():
+    pass
+
+
+# Each command hands its function and arguments back to main(), which runs it.
+@_cli.command(help="train one conv run in-process (ConvConfig's defaults: ResNet-20, 60 "
+              "epochs; notebook 01's are smaller)")
+@_run_options
+def train(**args):
+    return SimpleNamespace(func=_train, command="train", **args)
+
+
+@_cli.command(help="execute a notebook with papermill into a run directory")
+@click.argument("notebook", callback=_given_path)
+@_run_options
+def run(**args):
+    return SimpleNamespace(func=_run, command="run", **args)
+
+
+@_cli.command(help="execute a protocol's unfinished runs on Dask (PROTOCOL: protocols/*.yaml)")
+@click.argument("protocol", callback=_given_path)
+@click.option("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
+@click.option("--workers", callback=_workers, help="local workers (default: the protocol's)")
+@click.option("--force", is_flag=True,
+              help="replace runs finished with other parameters (moved aside)")
+@click.option("-q", "--quiet", is_flag=True, help="no progress bar")
+def sweep(**args):
+    return SimpleNamespace(func=_sweep, command="sweep", **args)
+
+
+@_cli.command(help="table of runs with status and final metrics (TARGET: a directory of "
+              "runs, a record.json, or a protocol YAML)")
+@click.argument("target", callback=_given_path)
+def runs(**args):
+    return SimpleNamespace(func=_runs, command="runs", **args)
+
+
+@_cli.command(help="execute a protocol's analysis notebook to HTML")
+@click.argument("protocol", callback=_given_path)
+@click.option("--notebook", callback=_user_path,
+              help="analysis notebook (default: the protocol's report; another than the "
+              "protocol's writes <protocol>.<notebook>.html)")
+@click.option("--runs", callback=_user_path,
+              help="runs directory (default: the protocol's out, whose runs must be what the "
+              "protocol asks now; another directory is not checked for stale runs)")
+@click.option("--out", default="reports", callback=_user_path,
+              help="reports directory (default: reports/ in the current directory)")
+def report(**args):
+    return SimpleNamespace(func=_report, command="report", **args)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -791,49 +810,18 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train one conv run in-process (ConvConfig's "
-                           "defaults: ResNet-20, 60 epochs; notebook 01's are smaller)")
-    train.add_argument("--out", required=True, type=_user_path, help="run directory")
-    _params_args(train)
-    train.set_defaults(func=_train)
-    run = sub.add_parser("run", help="execute a notebook with papermill into a run directory")
-    run.add_argument("notebook", type=_given_path)
-    run.add_argument("--out", required=True, type=_user_path, help="run directory")
-    _params_args(run)
-    run.set_defaults(func=_run)
-    sweep = sub.add_parser("sweep", help="execute a protocol's unfinished runs on Dask")
-    sweep.add_argument("protocol", type=_given_path, help="protocols/*.yaml")
-    sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
-    sweep.add_argument("--workers", type=_workers,
-                       help="local workers (default: the protocol's)")
-    sweep.add_argument("--force", action="store_true",
-                       help="replace runs finished with other parameters (moved aside)")
-    sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    sweep.set_defaults(func=_sweep)
-    runs = sub.add_parser("runs", help="table of runs with status and final metrics")
-    runs.add_argument("target", type=_given_path,
-                      help="a directory of runs, a record.json, or a protocol YAML")
-    runs.set_defaults(func=_runs)
-    report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
-    report.add_argument("protocol", type=_given_path)
-    report.add_argument("--notebook", type=_user_path,
-                        help="analysis notebook (default: the protocol's report; "
-                        "another than the protocol's writes <protocol>.<notebook>.html)")
-    report.add_argument("--runs", type=_user_path,
-                        help="runs directory (default: the protocol's out, whose "
-                        "runs must be what the protocol asks now; another directory is "
-                        "not checked for stale runs)")
-    report.add_argument("--out", default="reports", type=_user_path,
-                        help="reports directory (default: reports/ in the current directory)")
-    report.set_defaults(func=_report)
     try:
-        argv = shield_values(sys.argv[1:] if argv is None else argv)
-    except ArgvError as exc:
+        args = _cli.main(argv, prog_name="lab", standalone_mode=False)
+    except click.ClickException as exc:  # a usage error: click's message, exit 2
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
+    except click.Abort:  # Ctrl-C while the arguments were read
+        print("interrupted while lab was starting; nothing was done", file=sys.stderr)
+        return 130
+    except ConfigError as exc:  # a -p with no value
         return _error(exc)
-    args = parser.parse_args(argv)
-    _unshield(args)
+    if not isinstance(args, SimpleNamespace):  # --help, printed
+        return args
     # A warning for the researcher (a split that cannot be honoured, a schedule shortened)
     # as one line, not Python's "file:line: UserWarning:" plus the source line.
     formatwarning = warnings.formatwarning
@@ -867,6 +855,19 @@ def main(argv: list[str] | None = None) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 128 + signal.SIGTERM if terminated and code == 130 else code
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (the benchmarks' --rounds, --threads ...): an integer >= 1."""
+    import argparse  # (only the benchmarks' parsers use it)
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":
