@@ -24,6 +24,7 @@ inside another run's directory or one that already holds run directories).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -39,6 +40,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import click
+from filelock import FileLock, Timeout
 
 from . import runlock
 from .config import (
@@ -47,12 +49,16 @@ from .config import (
     YAMLError,
     as_dict,
     dotted_parent,
+    from_dict,
     load_yaml,
     read_yaml_mapping,
 )
 
 if TYPE_CHECKING:
     import pandas as pd
+
+# The commands import records, notebook, sweep and train (pandas, papermill, Dask, torch)
+# when they run: `lab --help` and a refused parameter do not wait for them.
 
 
 class ParameterFileError(ConfigError):
@@ -123,9 +129,9 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
     return params
 
 
-def _error(exc: Exception | str) -> int:
+def _error(exc: Exception | str, code: int = 2) -> int:
     print(f"error: {exc}", file=sys.stderr)
-    return 2
+    return code
 
 
 _CHECKPOINT = "checkpoint.pt"  # lab.lifecycle.CHECKPOINT (which imports torch)
@@ -169,10 +175,7 @@ def _check_run_dir(out) -> ConfigError | None:
 
 
 def _train(args) -> int:
-
-    from .config import from_dict
     from .notebook import Resolved, apply_params, decide
-    from .runlock import RunLocked, move_aside
     from .train import ConvConfig, train_conv
 
     out = Path(args.out).resolve()
@@ -189,25 +192,22 @@ def _train(args) -> int:
             config.preflight()
     except ConfigError as exc:
         return _error(exc)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     if decision == "done":
         print(f"{out.name}: already {state.status} with these parameters; nothing to do "
               f"(--force trains it afresh, keeping the old run aside) -> {args.out}")
         return 0 if state.status == "complete" else 1
     try:
         if decision == "replace":
-            print(f"the old run is kept in {move_aside(out)}")
+            print(f"the old run is kept in {runlock.move_aside(out)}")
         record = train_conv(config, out)
     except KeyboardInterrupt:
         return _interrupted(args.out)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     except (ValueError, OSError) as exc:  # e.g. DataError: the dataset is smaller than n_train
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _error(f"{type(exc).__name__}: {exc}", 1)
     print(f"{record['status']}: {record['final']} -> {args.out}")
     if record.get("error"):
         print(f"error: {record['error']}", file=sys.stderr)
@@ -216,7 +216,6 @@ def _train(args) -> int:
 
 def _run(args) -> int:
     from .notebook import NotebookError, RunConflict, execute
-    from .runlock import RunLocked
 
     unwritable = None
     try:
@@ -227,14 +226,12 @@ def _run(args) -> int:
         return _interrupted(args.out)
     except (RunConflict, ConfigError, NotebookError) as exc:
         return _error(exc)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     except OSError as exc:  # the machine, not a parameter (those are checked first): exit 1
         if unwritable is not None:  # a finished run there, and these parameters must write
             return _error(unwritable)
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _error(f"{type(exc).__name__}: {exc}", 1)
     if result.skipped:
         print(f"{result.run_id}: already {result.status} with these parameters; nothing to do "
               f"(--force runs it afresh, keeping the old run aside) -> {result.out_dir}")
@@ -255,7 +252,7 @@ def _run(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import ProtocolError, SchedulerError, load_protocol, run_sweep
+    from .sweep import ProtocolError, SchedulerError, expand, load_protocol, run_sweep
 
     try:
         protocol = load_protocol(args.protocol)
@@ -282,8 +279,6 @@ def _sweep(args) -> int:
     table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
     print(table.to_string(index=False, max_colwidth=80))
     print(report.summary())
-    from .sweep import expand
-
     others = _not_in_protocol(Path(protocol.out), [spec.run_id for spec in expand(protocol)])
     if others:  # a grid value removed since: left alone, and said so (as `lab runs` does)
         print(f"note: {_not_in_protocol_note(others)}; the sweep leaves "
@@ -299,7 +294,7 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     """The readable runs (load_runs' rows, status made live) and the unreadable ones."""
     import pandas as pd
 
-    from . import records, runlock
+    from . import records
 
     frames, unreadable = [], []
     for run_dir in record_dirs:
@@ -330,7 +325,7 @@ def _with_starting(runs: pd.DataFrame, root: Path, expected: list[str] | None) -
     first record (its lock and executed notebook are there), so it is not invisible."""
     import pandas as pd
 
-    from . import records, runlock
+    from . import records
     from .notebook import OUTPUT_NOTEBOOK
 
     if not root.is_dir():
@@ -515,8 +510,6 @@ _ERROR_WIDTH = 60  # characters of a run's message in `lab runs`' table
 def _report_lock(out: Path, base: str):
     """One `lab report` at a time writes ``out/base``: a second one waits for the first
     (they would delete each other's pending notebook), then makes its own."""
-    from filelock import FileLock, Timeout
-
     lock = FileLock(out / f".{base}.report.lock")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -688,25 +681,22 @@ def _report(args) -> int:
 
 
 # ---------------------------------------------------------------------------
-# the command line (click parses; each command runs outside it, so Ctrl-C, SIGTERM and a
-# closed pipe are handled here, not turned into click's "Aborted!")
+# the command line: click reads it into a namespace, main() runs the command outside
+# click, so that Ctrl-C, SIGTERM and a closed pipe end it as below (not "Aborted!")
 
 
-def _user_path(ctx, param, value):
-    """A path (or several) with ``~`` expanded, as the shell would unquoted (a quoted
-    ``"~/runs"`` would otherwise make a folder literally named ``~``)."""
-    if isinstance(value, tuple):
-        return [os.path.expanduser(v) for v in value]
-    return value if value is None else os.path.expanduser(value)
+class _Path(click.ParamType):
+    """A path with ``~`` expanded, as the shell would unquoted (a quoted ``"~/runs"``
+    would otherwise make a folder named ``~``); a path to read is never empty: ``lab runs
+    "$DIR"`` with DIR unset would list the working directory without a word."""
 
+    name = "path"
 
-def _given_path(ctx, param, value):
-    """A path to read, never empty: ``lab runs "$DIR"`` with DIR unset would list the
-    working directory without saying so (" " may be a directory's name)."""
-    if not value:
-        raise click.BadParameter(f"an empty path ({value!r}); give a path (is a shell "
-                                 "variable unset?); . is the working directory")
-    return os.path.expanduser(value)
+    def convert(self, value, param, ctx):
+        if not value and isinstance(param, click.Argument):  # (" " may be a directory)
+            self.fail(f"an empty path ({value!r}); give a path (is a shell variable "
+                      "unset?); . is the working directory", param, ctx)
+        return os.path.expanduser(value)
 
 
 def _pairs(ctx, param, pairs):
@@ -716,7 +706,7 @@ def _pairs(ctx, param, pairs):
     for key, value in pairs:
         if value.startswith("-") and value != "-":
             number = parse_value(value, key)
-            if not isinstance(number, int | float) or isinstance(number, bool):
+            if isinstance(number, bool) or not isinstance(number, int | float):
                 raise ConfigError(
                     f"-p {key} has no value: next comes {value!r}, which is read as an "
                     "option; give -p KEY VALUE (a text value that starts with '-' can be "
@@ -735,73 +725,47 @@ def _workers(ctx, param, text):
     return value
 
 
-def _run_options(command):
-    """--out, -p, -f and --force: what `lab train` and `lab run` share."""
-    for option in reversed([
-        click.option("--out", required=True, callback=_user_path, help="run directory"),
-        click.option("-p", "--param", nargs=2, multiple=True, metavar="KEY VALUE",
-                     callback=_pairs, help="a parameter (value parsed as YAML; a dotted key "
-                     "sets one key inside a dict parameter); repeatable"),
-        click.option("-f", "--file", multiple=True, callback=_user_path,
-                     help="YAML file of parameters; repeatable, a later file and then -p win "
-                     "over an earlier one"),
-        click.option("--force", is_flag=True,
-                     help="replace a run already in --out (moved aside, never deleted)")]):
-        command = option(command)
-    return command
-
-
-@click.group(help=__doc__.splitlines()[0],
-             context_settings={"help_option_names": ["-h", "--help"]})
-def _cli():
-    pass
-
-
-# Each command hands its function and arguments back to main(), which runs it.
-@_cli.command(help="train one conv run in-process (ConvConfig's defaults: ResNet-20, 60 "
-              "epochs; notebook 01's are smaller)")
-@_run_options
-def train(**args):
-    return SimpleNamespace(func=_train, command="train", **args)
-
-
-@_cli.command(help="execute a notebook with papermill into a run directory")
-@click.argument("notebook", callback=_given_path)
-@_run_options
-def run(**args):
-    return SimpleNamespace(func=_run, command="run", **args)
-
-
-@_cli.command(help="execute a protocol's unfinished runs on Dask (PROTOCOL: protocols/*.yaml)")
-@click.argument("protocol", callback=_given_path)
-@click.option("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
-@click.option("--workers", callback=_workers, help="local workers (default: the protocol's)")
-@click.option("--force", is_flag=True,
-              help="replace runs finished with other parameters (moved aside)")
-@click.option("-q", "--quiet", is_flag=True, help="no progress bar")
-def sweep(**args):
-    return SimpleNamespace(func=_sweep, command="sweep", **args)
-
-
-@_cli.command(help="table of runs with status and final metrics (TARGET: a directory of "
-              "runs, a record.json, or a protocol YAML)")
-@click.argument("target", callback=_given_path)
-def runs(**args):
-    return SimpleNamespace(func=_runs, command="runs", **args)
-
-
-@_cli.command(help="execute a protocol's analysis notebook to HTML")
-@click.argument("protocol", callback=_given_path)
-@click.option("--notebook", callback=_user_path,
-              help="analysis notebook (default: the protocol's report; another than the "
-              "protocol's writes <protocol>.<notebook>.html)")
-@click.option("--runs", callback=_user_path,
-              help="runs directory (default: the protocol's out, whose runs must be what the "
-              "protocol asks now; another directory is not checked for stale runs)")
-@click.option("--out", default="reports", callback=_user_path,
-              help="reports directory (default: reports/ in the current directory)")
-def report(**args):
-    return SimpleNamespace(func=_report, command="report", **args)
+_RUN_OPTIONS = [
+    click.Option(["--out"], required=True, type=_Path(), help="run directory"),
+    click.Option(["-p", "--param"], nargs=2, multiple=True, metavar="KEY VALUE",
+                 callback=_pairs, help="a parameter (value parsed as YAML; a dotted key sets "
+                 "one key inside a dict parameter); repeatable"),
+    click.Option(["-f", "--file"], multiple=True, type=_Path(), help="YAML file of "
+                 "parameters; repeatable, a later file and then -p win over an earlier one"),
+    click.Option(["--force"], is_flag=True,
+                 help="replace a run already in --out (moved aside, never deleted)")]
+_COMMANDS = {  # name -> (help, parameters); `lab NAME` runs _NAME(args)
+    "train": ("train one conv run in-process (ConvConfig's defaults: ResNet-20, 60 epochs; "
+              "notebook 01's are smaller)", _RUN_OPTIONS),
+    "run": ("execute a notebook with papermill into a run directory",
+            [click.Argument(["notebook"], type=_Path()), *_RUN_OPTIONS]),
+    "sweep": ("execute a protocol's unfinished runs on Dask (PROTOCOL: protocols/*.yaml)", [
+        click.Argument(["protocol"], type=_Path()),
+        click.Option(["--scheduler"], help="Dask scheduler address (default: a LocalCluster)"),
+        click.Option(["--workers"], metavar="N", callback=_workers,
+                     help="local workers (default: the protocol's)"),
+        click.Option(["--force"], is_flag=True,
+                     help="replace runs finished with other parameters (moved aside)"),
+        click.Option(["-q", "--quiet"], is_flag=True, help="no progress bar")]),
+    "runs": ("table of runs with status and final metrics (TARGET: a directory of runs, a "
+             "record.json, or a protocol YAML)", [click.Argument(["target"], type=_Path())]),
+    "report": ("execute a protocol's analysis notebook to HTML", [
+        click.Argument(["protocol"], type=_Path()),
+        click.Option(["--notebook"], type=_Path(), help="analysis notebook (default: the "
+                     "protocol's report; another than the protocol's writes "
+                     "<protocol>.<notebook>.html)"),
+        click.Option(["--runs"], type=_Path(), help="runs directory (default: the "
+                     "protocol's out, whose runs must be what the protocol asks now; another "
+                     "directory is not checked for stale runs)"),
+        click.Option(["--out"], default="reports", type=_Path(),
+                     help="reports directory (default: reports/ in the current directory)")]),
+}
+_cli = click.Group("lab", help=__doc__.splitlines()[0].replace("``", ""),
+                   context_settings={"help_option_names": ["-h", "--help"]},
+                   commands=[click.Command(name, params=params, help=text,
+                                           callback=functools.partial(SimpleNamespace,
+                                                                      command=name))
+                             for name, (text, params) in _COMMANDS.items()])
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -815,9 +779,6 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:  # a usage error: click's message, exit 2
         exc.show()
         raise SystemExit(exc.exit_code) from None
-    except click.Abort:  # Ctrl-C while the arguments were read
-        print("interrupted while lab was starting; nothing was done", file=sys.stderr)
-        return 130
     except ConfigError as exc:  # a -p with no value
         return _error(exc)
     if not isinstance(args, SimpleNamespace):  # --help, printed
@@ -838,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        code = args.func(args)
+        code = globals()[f"_{args.command}"](args)  # (looked up now: tests replace one)
     except KeyboardInterrupt:
         # One the command does not handle itself (those around a run's or a report's
         # writes say what was kept), e.g. while it imports its modules.
