@@ -40,7 +40,6 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import click
-from filelock import FileLock, Timeout
 
 from . import runlock
 from .config import (
@@ -510,6 +509,8 @@ _ERROR_WIDTH = 60  # characters of a run's message in `lab runs`' table
 def _report_lock(out: Path, base: str):
     """One `lab report` at a time writes ``out/base``: a second one waits for the first
     (they would delete each other's pending notebook), then makes its own."""
+    from filelock import FileLock, Timeout  # (20 ms at start-up that only reports need)
+
     lock = FileLock(out / f".{base}.report.lock")
     try:
         out.mkdir(parents=True, exist_ok=True)
