@@ -167,8 +167,8 @@ class Selection:
 
         header = (f"# Chosen by `lab select {self.data.protocol.source}`: for each "
                   f"{self.spec.per or 'protocol'}, the {', '.join(self.spec.choose)} with the "
-                  f"{self.spec.goal} mean final {self.spec.metric} over "
-                  f"{int(self.result['n'].max())} runs on the validation split.\n"
+                  f"{self.spec.goal} mean final {self.spec.metric} on the validation split "
+                  f"over the seeds ({int(self.result['n'].max())} runs a candidate).\n"
                   "# Generated: edit the selection protocol and rerun rather than this file.\n")
         body = yaml.safe_dump(fragment(self.result, self.spec), sort_keys=False)
         self.spec.into.parent.mkdir(parents=True, exist_ok=True)

@@ -265,7 +265,7 @@ def _sweep(args) -> int:
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
         # The same command resumes: the cluster it named, and its options.
-        again = shlex.join(["lab", "sweep", args.protocol]
+        again = shlex.join(["lab", args.command, args.protocol]
                            + (["--scheduler", args.scheduler] if args.scheduler else [])
                            + (["--workers", str(args.workers)] if args.workers else []))
         print(f"\ninterrupted; run `{again}` again to finish the remaining runs (finished "
@@ -283,6 +283,40 @@ def _sweep(args) -> int:
         print(f"note: {_not_in_protocol_note(others)}; the sweep leaves "
               f"{'it' if len(others) == 1 else 'them'} alone")
     return 1 if report.failed or report.left_alone else 0
+
+
+def _select(args) -> int:
+    """A selection protocol's sweep, then the choice (analysis.select), written to its
+    ``select.into`` for the final protocol to include."""
+    # analysis sits above lab; only this command needs it (and pandas through it).
+    from analysis.completeness import IncompleteProtocolError
+    from analysis.select import SelectionError, read_spec, select
+
+    from .records import RecordError
+    from .sweep import ProtocolError, load_protocol
+
+    try:
+        protocol = load_protocol(args.protocol)
+        read_spec(protocol.select, protocol.grid, args.protocol)
+    except (ProtocolError, SelectionError) as exc:
+        if isinstance(exc, SelectionError) and not protocol.select:
+            exc = f"{args.protocol} has no select section, so there is nothing to choose; " \
+                  "a selection protocol says what to choose (docs/sweeps-and-protocols.md)"
+        return _error(exc)
+    code = _sweep(args)
+    if code:
+        print("selection not made: every run must finish first", file=sys.stderr)
+        return code
+    try:
+        selection = select(args.protocol)
+    except (SelectionError, IncompleteProtocolError, RecordError) as exc:
+        return _error(exc)
+    path = selection.write()
+    spec = selection.spec
+    print(selection.result.to_string(index=False))
+    print(f"chosen: {spec.goal} mean final {spec.metric} over seeds, per "
+          f"{spec.per or 'protocol'}; written to {path}")
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -735,6 +769,13 @@ _RUN_OPTIONS = [
                  "parameters; repeatable, a later file and then -p win over an earlier one"),
     click.Option(["--force"], is_flag=True,
                  help="replace a run already in --out (moved aside, never deleted)")]
+_SWEEP_OPTIONS = [
+    click.Option(["--scheduler"], help="Dask scheduler address (default: a LocalCluster)"),
+    click.Option(["--workers"], metavar="N", callback=_workers,
+                 help="local workers (default: the protocol's)"),
+    click.Option(["--force"], is_flag=True,
+                 help="replace runs finished with other parameters (moved aside)"),
+    click.Option(["-q", "--quiet"], is_flag=True, help="no progress bar")]
 _COMMANDS = {  # name -> (help, parameters); `lab NAME` runs _NAME(args)
     "train": ("train one conv run in-process (ConvConfig's defaults: ResNet-20, 60 epochs; "
               "notebook 01's are smaller)", _RUN_OPTIONS),
@@ -742,12 +783,11 @@ _COMMANDS = {  # name -> (help, parameters); `lab NAME` runs _NAME(args)
             [click.Argument(["notebook"], type=_Path()), *_RUN_OPTIONS]),
     "sweep": ("execute a protocol's unfinished runs on Dask (PROTOCOL: protocols/*.yaml)", [
         click.Argument(["protocol"], type=_Path()),
-        click.Option(["--scheduler"], help="Dask scheduler address (default: a LocalCluster)"),
-        click.Option(["--workers"], metavar="N", callback=_workers,
-                     help="local workers (default: the protocol's)"),
-        click.Option(["--force"], is_flag=True,
-                     help="replace runs finished with other parameters (moved aside)"),
-        click.Option(["-q", "--quiet"], is_flag=True, help="no progress bar")]),
+        *_SWEEP_OPTIONS]),
+    "select": ("run a selection protocol's sweep, choose on its validation metric and write "
+               "the chosen values to its select.into (docs/sweeps-and-protocols.md)", [
+        click.Argument(["protocol"], type=_Path()),
+        *_SWEEP_OPTIONS]),
     "runs": ("table of runs with status and final metrics (TARGET: a directory of runs, a "
              "record.json, or a protocol YAML)", [click.Argument(["target"], type=_Path())]),
     "report": ("execute a protocol's analysis notebook to HTML", [

@@ -181,3 +181,14 @@ select: {{choose: [lr], metric: val_acc, into: x.yaml}}
     with pytest.raises(IncompleteProtocolError,
                        match=r"(?s)every run of s finished.*2 of 2 runs missing"):
         select(tmp_path / "s.yaml")
+
+
+def test_lab_select_refuses_a_protocol_without_select_before_any_run(tmp_path, capsys):
+    from lab.cli import main
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "p.yaml").write_text(f"name: p\nnotebook: {notebook}\nout: runs\n"
+                                     "grid: {seed: [0]}\n")
+    assert main(["select", str(tmp_path / "p.yaml")]) != 0
+    assert "has no select section" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
