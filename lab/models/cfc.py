@@ -436,7 +436,13 @@ _EXP_MAX = 708.0  # 2^k stays a normal float64; saturates what would over/underf
 _C = tuple(1.0 / math.factorial(i) for i in range(14))
 
 
-@_njit
+def _njit_exact(fn):
+    # fastmath without reassociation, which would undo the split of ln2 (13 ulp at |x| = 80)
+    return numba.njit(cache=True, fastmath={"contract"}, error_model="numpy")(fn) \
+        if _HAVE_NUMBA else fn
+
+
+@_njit_exact
 def _exp_inplace(x, p, bits):
     """x <- exp(x) over a 1-D array; p (float64) and bits (int64) are scratch, len >= x's."""
     n = x.shape[0]
@@ -480,19 +486,27 @@ def _act_block(z, out, code, p, bits):
 
 
 @_njit
-def _act_grad_nb(z, a, code):
+def _act_grad_block(z, a, da, out, code):
+    """out <- da * activation'(z), 1-D, from z and a = activation(z)."""
+    n = z.shape[0]
     if code == 0:
-        t = a / _LECUN_SCALE
-        return _LECUN_SCALE * _LECUN_SLOPE * (1.0 - t * t)
-    if code == 1:
-        return 1.0 - a * a
-    if code == 2:
-        return 1.0 if z > 0 else 0.0
-    if code == 3:
-        s = 1.0 / (1.0 + math.exp(-z))
-        return s * (1.0 + z * (1.0 - s))
-    return (0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
-            + z * math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi))
+        for i in range(n):
+            t = a[i] / _LECUN_SCALE
+            out[i] = da[i] * (_LECUN_SCALE * _LECUN_SLOPE) * (1.0 - t * t)
+    elif code == 1:
+        for i in range(n):
+            out[i] = da[i] * (1.0 - a[i] * a[i])
+    elif code == 2:
+        for i in range(n):
+            out[i] = da[i] if z[i] > 0 else 0.0 * da[i]
+    elif code == 3:
+        for i in range(n):
+            s = 1.0 / (1.0 + math.exp(-z[i]))
+            out[i] = da[i] * s * (1.0 + z[i] * (1.0 - s))
+    else:
+        for i in range(n):
+            out[i] = da[i] * (0.5 * (1.0 + math.erf(z[i] / math.sqrt(2.0)))
+                              + z[i] * math.exp(-0.5 * z[i] * z[i]) / math.sqrt(2.0 * math.pi))
 
 
 @_njit
@@ -501,6 +515,7 @@ def _forward_nb(xin, h0, rate_dt, mode, act, w_h_t, w_heads_t, b_heads, w_tau, A
     T, B, U = xin.shape
     H = h0.shape[1]
     folded = w_heads_t.shape[1] == 3 * H
+    keep = 0.0 if mode == 1 else 1.0  # default: h = f1 + s (f2 - f1); no_gate: f1 + s f2
     n = B * max(U, 3 * H)
     p, bits = np.empty(n), np.empty(n, np.int64)  # scratch of _exp_inplace
     e = np.empty((B, 3 * H), xin.dtype)  # the exponentials' arguments, then their values
@@ -527,13 +542,17 @@ def _forward_nb(xin, h0, rate_dt, mode, act, w_h_t, w_heads_t, b_heads, w_tau, A
             continue
         # tanh(x) = 1 - 2 / (exp(2x) + 1), sigmoid(x) = 1 / (1 + exp(-x))
         for b in range(B):
-            for j in range(H):
-                x = heads[b, 2 * H + j]
-                if not folded:
-                    x = x * rate_dt[t, b, j] + heads[b, 3 * H + j]
+            for j in range(2 * H):
                 e[b, j] = 2.0 * heads[b, j]
-                e[b, H + j] = 2.0 * heads[b, H + j]
-                e[b, 2 * H + j] = -x
+        if folded:
+            for b in range(B):
+                for j in range(H):
+                    e[b, 2 * H + j] = -heads[b, 2 * H + j]
+        else:
+            for b in range(B):
+                for j in range(H):
+                    e[b, 2 * H + j] = -(heads[b, 2 * H + j] * rate_dt[t, b, j]
+                                        + heads[b, 3 * H + j])
         _exp_inplace(flat, p, bits)
         for b in range(B):
             for j in range(H):
@@ -543,7 +562,7 @@ def _forward_nb(xin, h0, rate_dt, mode, act, w_h_t, w_heads_t, b_heads, w_tau, A
                 g[t, b, j] = f1
                 g[t, b, H + j] = f2
                 g[t, b, 2 * H + j] = s
-                hs[t + 1, b, j] = f1 + s * f2 if mode == 1 else f1 + s * (f2 - f1)
+                hs[t + 1, b, j] = f1 + s * (f2 - keep * f1)
 
 
 @_njit
@@ -552,38 +571,36 @@ def _backward_nb(grad_out, hs, z, a, g, rate_dt, mode, act, w_h, w_heads, w_tau,
     T, B, H = grad_out.shape
     U = z.shape[2]
     folded = w_heads.shape[0] == 3 * H
+    keep = 0.0 if mode == 1 else 1.0  # as in the forward
     for t in range(T - 1, -1, -1):
-        for b in range(B):
-            for j in range(H):
-                d = dh[b, j] + grad_out[t, b, j]
-                if mode == 2:
-                    r = rate_dt[t, b, j]
+        dh += grad_out[t]  # d loss / d h_t: from this step's output and from step t + 1
+        if mode == 2:
+            for b in range(B):
+                for j in range(H):
+                    d, r = dh[b, j], rate_dt[t, b, j]
                     ff1 = g[t, b, j]
                     decay = g[t, b, H + j]
                     dheads[t, b, j] = -d * A[0, j] * decay * (1.0 - r * abs(ff1))
                     sgn = 1.0 if w_tau[0, j] > 0 else (-1.0 if w_tau[0, j] < 0 else 0.0)
                     dpure[0, j] += d * A[0, j] * ff1 * decay * r * sgn
                     dpure[1, j] += d * (1.0 - decay * ff1)
-                    continue
-                f1 = g[t, b, j]
-                f2 = g[t, b, H + j]
-                s = g[t, b, 2 * H + j]
-                if mode == 1:
-                    d_f1, d_s = d, d * f2
-                else:
-                    d_f1, d_s = d * (1.0 - s), d * (f2 - f1)
-                d_tb = d_s * s * (1.0 - s)
-                dheads[t, b, j] = d_f1 * (1.0 - f1 * f1)
-                dheads[t, b, H + j] = d * s * (1.0 - f2 * f2)
-                if folded:
-                    dheads[t, b, 2 * H + j] = d_tb
-                else:
-                    dheads[t, b, 2 * H + j] = d_tb * rate_dt[t, b, j]
-                    dheads[t, b, 3 * H + j] = d_tb
+        else:
+            for b in range(B):
+                for j in range(H):
+                    d = dh[b, j]
+                    f1, f2, s = g[t, b, j], g[t, b, H + j], g[t, b, 2 * H + j]
+                    dheads[t, b, j] = d * (1.0 - keep * s) * (1.0 - f1 * f1)
+                    dheads[t, b, H + j] = d * s * (1.0 - f2 * f2)
+                    dheads[t, b, 2 * H + j] = d * (f2 - keep * f1) * s * (1.0 - s)
+            if not folded:  # the gate's input is time_a * r + time_b
+                for b in range(B):
+                    for j in range(H):
+                        d_gate = dheads[t, b, 2 * H + j]
+                        dheads[t, b, 2 * H + j] = d_gate * rate_dt[t, b, j]
+                        dheads[t, b, 3 * H + j] = d_gate
         da = np.dot(dheads[t], w_heads)  # (B, U)
-        for b in range(B):
-            for u in range(U):
-                dz[t, b, u] = da[b, u] * _act_grad_nb(z[t, b, u], a[t, b, u], act)
+        _act_grad_block(z[t].reshape(B * U), a[t].reshape(B * U), da.reshape(B * U),
+                        dz[t].reshape(B * U), act)
         dh[:] = np.dot(dz[t], w_h)  # (B, H): into the previous step
     # One product over every step (and example) for each weight.
     dz2 = dz.reshape(T * B, U)
