@@ -141,6 +141,12 @@ def _reference_step(run, generator):
             trunk.impl = "loop"
     main = _Path(trunks[0], copy.deepcopy(run.main.head))
     aux = _Path(trunks[1], copy.deepcopy(run.aux.heads))
+    with torch.no_grad():  # the same model: equal outputs before any step
+        x = run.data.sample(cfg.batch_size, torch.Generator().manual_seed(0)).x
+        torch.testing.assert_close(main(encoder(x))[:, 0], run.main(run.encoder(x)),
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(aux(encoder(x)), torch.cat(run.aux(run.encoder(x)), -1),
+                                   rtol=0, atol=1e-5)
     opt_main = torch.optim.Adam([*encoder.parameters(), *main.parameters()], lr=cfg.lr)
     opt_aux = torch.optim.Adam(aux.parameters(), lr=cfg.aux_lr)
 

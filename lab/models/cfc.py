@@ -554,15 +554,15 @@ def _forward_nb(xin, h0, rate_dt, mode, act, w_h_t, w_heads_t, b_heads, w_tau, A
                     e[b, 2 * H + j] = -(heads[b, 2 * H + j] * rate_dt[t, b, j]
                                         + heads[b, 3 * H + j])
         _exp_inplace(flat, p, bits)
+        # One store per loop over a row: few enough pointers for the vectoriser's checks.
         for b in range(B):
+            eb, gb, hb = e[b], g[t, b], hs[t + 1, b]
+            for j in range(2 * H):  # f1 | f2
+                gb[j] = 1.0 - 2.0 / (eb[j] + 1.0)
+            for j in range(2 * H, 3 * H):  # s
+                gb[j] = 1.0 / (1.0 + eb[j])
             for j in range(H):
-                f1 = 1.0 - 2.0 / (e[b, j] + 1.0)
-                f2 = 1.0 - 2.0 / (e[b, H + j] + 1.0)
-                s = 1.0 / (1.0 + e[b, 2 * H + j])
-                g[t, b, j] = f1
-                g[t, b, H + j] = f2
-                g[t, b, 2 * H + j] = s
-                hs[t + 1, b, j] = f1 + s * (f2 - keep * f1)
+                hb[j] = gb[j] + gb[2 * H + j] * (gb[H + j] - keep * gb[j])
 
 
 @_njit
@@ -585,13 +585,15 @@ def _backward_nb(grad_out, hs, z, a, g, rate_dt, mode, act, w_h, w_heads, w_tau,
                     dpure[0, j] += d * A[0, j] * ff1 * decay * r * sgn
                     dpure[1, j] += d * (1.0 - decay * ff1)
         else:
-            for b in range(B):
+            for b in range(B):  # one store per loop, as in the forward
+                d, gb, db = dh[b], g[t, b], dheads[t, b]  # gb: f1 | f2 | s
                 for j in range(H):
-                    d = dh[b, j]
-                    f1, f2, s = g[t, b, j], g[t, b, H + j], g[t, b, 2 * H + j]
-                    dheads[t, b, j] = d * (1.0 - keep * s) * (1.0 - f1 * f1)
-                    dheads[t, b, H + j] = d * s * (1.0 - f2 * f2)
-                    dheads[t, b, 2 * H + j] = d * (f2 - keep * f1) * s * (1.0 - s)
+                    db[j] = d[j] * (1.0 - keep * gb[2 * H + j]) * (1.0 - gb[j] * gb[j])
+                for j in range(H):
+                    db[H + j] = d[j] * gb[2 * H + j] * (1.0 - gb[H + j] * gb[H + j])
+                for j in range(H):
+                    s = gb[2 * H + j]
+                    db[2 * H + j] = d[j] * (gb[H + j] - keep * gb[j]) * s * (1.0 - s)
             if not folded:  # the gate's input is time_a * r + time_b
                 for b in range(B):
                     for j in range(H):
