@@ -24,9 +24,12 @@ state, so it is computed for every step at once, outside the time loop, and the 
 one fused product. The sequence then runs in one of three implementations, same maths:
 ``loop`` (per-step torch autograd: the reference), ``function`` (one autograd Function with a
 hand-written backward through time, torch ops) and ``numba`` (the same Function with each
-direction's whole time loop compiled by numba: element-wise work fused, the per-step products
-on BLAS). ``auto`` picks ``numba`` on CPU, ``function`` elsewhere. The hand-written backward is
-checked against autograd with gradcheck (tests/test_cfc.py).
+direction's whole time loop compiled by numba: element-wise work fused and vectorised, the
+per-step products on BLAS, each weight gradient one product over all steps). ``auto`` picks
+``numba`` on CPU, ``function`` elsewhere. With one span for every example and step (no
+``timespans``, or a number) the fast paths fold the gate's two heads into one
+(:func:`fold_gate`). The hand-written backward is checked against autograd with gradcheck, the
+fast paths against the step loop and ncps (tests/test_cfc.py).
 """
 
 from __future__ import annotations
