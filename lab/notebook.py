@@ -27,6 +27,8 @@ int, float, str or bool (:func:`check_own_types`). The run directory
 is then decided from its record.json: a finished run of the same resolved
 config is left alone, one of another config is refused unless replaced (moved
 aside, never deleted), and a directory another process holds is skipped. The
+notebook's code is part of a run's identity (:class:`CodeIdentity`, the record's
+``code``): a run made with other code is refused the same way. The
 executing process holds the run's lock (``lab.runlock``) and the kernel dies
 with it (Linux: ``PR_SET_PDEATHSIG``), so no orphaned kernel writes into a run
 that a restarted sweep has started again. A failing cell leaves the run
