@@ -1092,8 +1092,10 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             # Other code is another run, as other parameters are; resuming would mix two
             # versions of the code in one run.
             diffs = [code]
+            resume = "" if state.status in runlock.FINISHED or never else \
+                "; resuming it would mix two versions of the code in one run"
             problem = (f"{status} run{' (it never trained a step)' if never else ''} made with "
-                       f"other code ({code})")
+                       f"other code ({code}){resume}")
             how = ", or restore the notebook's code as the run had it"
         if problem is None and not never:
             # Same parameters, but a data file it read has changed since: a finished run's

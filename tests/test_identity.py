@@ -125,6 +125,25 @@ def test_a_finished_run_of_other_code_is_stale_and_whitespace_is_not(tmp_path, m
     assert execute(notebook, run, {"x": 1}).skipped
 
 
+def test_an_unfinished_run_of_other_code_is_not_resumed_with_it(tmp_path):
+    notebook = _copy(ECHO, tmp_path / "echo.ipynb")
+    run = tmp_path / "run"
+    asked = {"x": 3, "fail_on": 3, "write_record": True}  # fails after its first rows
+    assert execute(notebook, run, asked).status == "failed"
+    record = records.load_record(run, rows=False)
+    assert record[CODE_KEY] == code_identity(notebook).as_record()
+    _copy(ECHO, notebook, _edit_code)
+    with pytest.raises(RunConflict, match=r"already holds a failed run made with other code "
+                                          r"\(echo.ipynb's code changed since: cell 3 "
+                                          r"\(`import math`\).*\); resuming it would mix two "
+                                          r"versions of the code in one run; nothing was"):
+        execute(notebook, run, asked)
+    assert records.load_record(run, rows=False) == record
+    _copy(ECHO, notebook, _respace)  # whitespace only: the same code, resumed
+    again = execute(notebook, run, asked)
+    assert again.status == "failed" and not again.skipped
+
+
 def _sweep_protocol(tmp_path: Path, notebook: Path, seeds: list[int]) -> Path:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"name": "t", "notebook": str(notebook), "out": "runs",
