@@ -40,8 +40,9 @@ dotted key inside a grid key's dicts.
 :func:`run_sweep` decides each run from its record.json, the single source of
 a run's status (:func:`lab.notebook.decide`): a run finished with the
 protocol's resolved config (defaults filled in, display-only fields aside) is
-kept; one finished with another config is reported ``stale`` with each
-differing field (``--force`` moves it aside and runs it afresh); a run another
+kept; one finished with another config, or with other notebook code (a code cell
+edited: the record's ``code``), is reported ``stale`` with each difference
+(``--force`` moves it aside and runs it afresh); a run another
 process holds (``lab.runlock``) is reported ``locked`` and left alone; the
 rest are executed with :func:`lab.notebook.execute`, one Dask task per run,
 and an interrupted run resumes from its checkpoint. Each task decides again
@@ -802,10 +803,13 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
 MISPLACED = "its record's run_id is"
 
 
-def stale_runs(protocol: Protocol) -> dict[str, str]:
+def stale_runs(protocol: Protocol, *, mixed_code: bool = False) -> dict[str, str]:
     """run_id -> why, for each recorded run of ``protocol`` that is not what the protocol
     asks now: its whole resolved config (the notebook's defaults included, as a sweep
-    resolves it) differs, or a data file it read has changed since.
+    resolves it) differs, the notebook's code changed since (unless ``mixed_code``: the
+    caller takes runs of other code versions knowingly), or a data file it read has
+    changed since. A record from before the code was recorded is "code unknown": not
+    stale for that alone.
 
     What ``lab runs PROTOCOL`` and ``lab report`` check (it needs the notebook's config
     class, hence torch); the analysis library's own check (:func:`mark_stale`) is the
@@ -840,6 +844,8 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
         # Compared as a sweep's lab.notebook.decide compares (the notebook's own
         # parameters included).
         why = asked_differences(record, resolved)
+        code = None if mixed_code else nb.code.changed_since(record)
+        why += [code] if code else []
         why += changed_files(record.get("data"), resolved.config.get("data_dir"))
         if why:
             stale[spec.run_id] = "; ".join(why)
