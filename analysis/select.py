@@ -176,10 +176,11 @@ class Selection:
         return self.spec.into
 
 
-def select(protocol_path, runs_dir=None) -> Selection:
+def select(protocol_path, runs_dir=None, *, mixed_code: bool = False) -> Selection:
     """Load a selection protocol's runs and choose; IncompleteProtocolError unless every
-    expected run finished (complete, or diverged: a result that loses)."""
-    data = load_protocol_runs(protocol_path, runs_dir)
+    expected run finished (complete, or diverged: a result that loses). ``mixed_code``: as
+    :func:`analysis.load.load_protocol_runs`."""
+    data = load_protocol_runs(protocol_path, runs_dir, mixed_code=mixed_code)
     spec = read_spec(getattr(data.protocol, "select", None), data.protocol.grid, protocol_path)
     problems = [p for p in find_problems(data.runs, data.metrics, data.expected_ids)
                 if "status 'diverged'" not in p]

@@ -649,11 +649,13 @@ def _report(args) -> int:
                     f"none of the {len(run_ids)} run(s) of {protocol.source} has a record in "
                     f"{protocol.out} yet, so no report was made: run `lab sweep "
                     f"{args.protocol}` first")
-            stale = stale_runs(protocol)
+            stale = stale_runs(protocol, mixed_code=args.mixed_code)
             if stale:
                 raise NotebookError(
                     f"{len(stale)} run(s) of {protocol.source} are not what the protocol asks "
-                    "now, so no report was made (rerun them with `lab sweep --force`):\n"
+                    "now, so no report was made (rerun them with `lab sweep --force`; runs "
+                    "that differ only in the notebook's code may be reported together, "
+                    "knowingly, with --mixed-code):\n"
                     + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
             others = _not_in_protocol(Path(protocol.out), run_ids)
             if others:  # as `lab runs PROTOCOL` says; the report reads only the protocol's
@@ -661,6 +663,13 @@ def _report(args) -> int:
                       f"{'it' if len(others) == 1 else 'them'} out", file=sys.stderr)
         # absolute: the executed report says which protocol file made it, wherever from
         params = {"protocol": str(Path(protocol.source).resolve())}
+        if args.mixed_code:
+            if "mixed_code" not in notebook_spec(notebook, with_class=False).declared:
+                raise NotebookError(f"--mixed-code: {notebook} does not take a mixed_code "
+                                    "parameter, so it would refuse the runs anyway; add "
+                                    "`mixed_code = False` to its parameters cell and pass it "
+                                    "to load_protocol_runs")
+            params["mixed_code"] = True
         if args.runs:
             if not Path(args.runs).is_dir():
                 raise NotebookError(f"--runs {args.runs}: no such directory of runs")
@@ -799,7 +808,10 @@ _COMMANDS = {  # name -> (help, parameters); `lab NAME` runs _NAME(args)
                      "protocol's out, whose runs must be what the protocol asks now; another "
                      "directory is not checked for stale runs)"),
         click.Option(["--out"], default="reports", type=_Path(),
-                     help="reports directory (default: reports/ in the current directory)")]),
+                     help="reports directory (default: reports/ in the current directory)"),
+        click.Option(["--mixed-code"], is_flag=True,
+                     help="report runs made by different versions of the notebook's code "
+                          "together (refused by default)")]),
 }
 _cli = click.Group("lab", help=__doc__.splitlines()[0].replace("``", ""),
                    context_settings={"help_option_names": ["-h", "--help"]},

@@ -193,6 +193,21 @@ def test_a_sweep_calls_runs_of_edited_code_stale_and_a_report_refuses_to_mix(tmp
     assert sorted(loaded.runs["run_id"]) == ["x-1", "x-2", "x-3"]
     with pytest.raises(TypeError, match="mixed_code must be a bool"):
         load_protocol_runs(path, mixed_code="yes")
+    # lab report: refused as stale, and --mixed-code only with a notebook that takes it.
+    capsys.readouterr()
+    summary = ROOT / "notebooks" / "10-summary.ipynb"
+    assert cli_main(["report", str(path), "--notebook", str(summary),
+                     "--out", str(tmp_path / "reports")]) == 2
+    err = capsys.readouterr().err
+    assert "x-1: echo.ipynb's code changed" in err and "--mixed-code" in err
+    older = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        'protocol = ""\nruns_dir = ""', metadata={"tags": ["parameters"]})])
+    older.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}
+    nbformat.write(older, str(tmp_path / "older-report.ipynb"))
+    assert cli_main(["report", str(path), "--notebook", str(tmp_path / "older-report.ipynb"),
+                     "--mixed-code", "--out", str(tmp_path / "reports")]) == 2
+    assert "does not take a mixed_code parameter" in capsys.readouterr().err
     # --force replaces the stale runs (kept aside); then one version, no refusal.
     report = run_sweep(load_protocol(path), workers=1, progress=False, force=True)
     assert [o.status for o in report.outcomes] == ["complete"] * 3
