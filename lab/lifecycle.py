@@ -370,8 +370,10 @@ class Lifecycle:
                                         records.part_entries(self.out, self.axis, done)}
             for row in self.rows_logged:  # the companions' first values, as first logged
                 self.divergence.check_companions(row, self._companions, "")
-            if old is not None and done:
-                self._keep_earlier_environment(old.get("environment"), done)
+            # (record.json lost: the checkpoint's record says what the run was)
+            known = old if old is not None else saved
+            if known is not None and done:
+                self._keep_earlier_environment(known.get("environment"), done)
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json", old["status"])
@@ -382,8 +384,13 @@ class Lifecycle:
                 return len(self.rows_logged)
             done = 0
             records.truncate_rows(self.out, self.axis, 0)
-        if old is not None:
-            self.record["created"] = old["created"]
+        known = old if old is not None else saved
+        if known is not None:
+            self.record["created"] = known["created"]
+        if old is None and saved is not None:
+            self._keep_run_id(saved["run_id"])
+            if "notebook_params" in saved and "notebook_params" not in self.record:
+                self.record["notebook_params"] = saved["notebook_params"]
         self.record["rows"] = {self.axis: done}
         if self.status != "running":
             self.finished = True

@@ -1219,9 +1219,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     a run in progress and for one whose process was killed; the run's lock tells them
     apart, so a killed run reads "interrupted".
 
-    A run that is not live has its row store checked by line count
-    (:func:`check_stored_rows`): parts cut short make it unreadable, as ``load_metrics``
-    and ``lab runs`` find it, never a "complete" run without all its rows.
+    A run that is not live has its row store checked (:func:`check_stored_rows`: line
+    counts, the parts' sha256, the final metrics that repeat the last row): parts cut
+    short, damaged or edited make it unreadable, as ``load_metrics`` and ``lab runs`` find
+    it, never a "complete" run without all its rows as they were written.
 
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
@@ -1240,7 +1241,7 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
             row = _run_row(load_record(path, rows=False), path) | _old_run_id(path)
             row["status"] = live_status(row["status"], row["path"])
             if row["status"] != "running":  # a live run may be replacing its parts
-                check_stored_rows(row["path"])  # a row store cut short: not "complete"
+                check_stored_rows(row["path"])  # a row store cut short or edited: not complete
             rows.append(row)
         except RecordError as err:
             problems.append((path, str(err)))

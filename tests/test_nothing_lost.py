@@ -166,6 +166,19 @@ def test_a_finished_run_whose_record_is_lost_gets_it_back_exactly(tmp_path, name
     assert again["final"] == before["final"] and again["work"] == before["work"]
 
 
+def test_an_interrupted_run_whose_record_is_lost_resumes_as_the_same_run(tmp_path):
+    config = SyntheticConfig(steps=30, checkpoint_every=5)
+    reference = train_synthetic(config, tmp_path / "reference" / "r")
+    out = tmp_path / "killed" / "r"
+    _interrupted(config, out, after=12)
+    created = records.load_record(out)["created"]
+    (out / records.RECORD_FILE).unlink()
+    with pytest.warns(UserWarning, match="run_id='another' is not used"):
+        resumed = train_synthetic(config, out, run_id="another")  # a run keeps its id
+    assert _same(records.load_record(out)) == _same(reference)
+    assert resumed["created"] == created and resumed["run_id"] == "r"
+
+
 def _as_older_lab(out: Path) -> None:
     """The run's checkpoint as a lab before this change wrote it (format 2, no record)."""
     state = torch.load(out / CHECKPOINT, weights_only=True)
@@ -274,18 +287,16 @@ def _assert_damaged(out: Path, named: str, what: str) -> None:
 
 @pytest.mark.parametrize("which", [0, -1], ids=["first-part", "last-part"])
 def test_a_flipped_byte_in_any_part_is_damage_naming_the_part(tmp_path, which):
-    out, record = _damaged_run(tmp_path)
-    start, end, _ = record["row_parts"]["step"][which]
-    part = records.part_path(out, "step", start, end)
+    out, _ = _damaged_run(tmp_path)
+    part = sorted((out / "rows" / "step").iterdir())[which]
     _flip(part)
     _assert_damaged(out, str(part), "unreadable text|other bytes than were committed")
 
 
 @pytest.mark.parametrize("which", [0, -1], ids=["first-part", "last-part"])
 def test_one_digit_changed_in_any_part_is_damage_naming_the_part(tmp_path, which):
-    out, record = _damaged_run(tmp_path)
-    start, end, _ = record["row_parts"]["step"][which]
-    part = records.part_path(out, "step", start, end)
+    out, _ = _damaged_run(tmp_path)
+    part = sorted((out / "rows" / "step").iterdir())[which]
     _change_a_digit(part)
     _assert_damaged(out, str(part), r"other bytes than were committed \(sha256 ")
 
@@ -311,6 +322,7 @@ def test_the_last_rows_val_loss_edited_against_the_final_is_damage(tmp_path):
 
 def test_the_final_val_loss_edited_in_the_record_is_damage(tmp_path):
     out, record = _damaged_run(tmp_path)
+    assert record["final"]["val_loss"] != 0.5
     records.write_record(out, {**record, "final": {**record["final"], "val_loss": 0.5}})
     _assert_damaged(out, str(out / records.RECORD_FILE), "field 'final.val_loss' is 0.5 but")
 
@@ -318,9 +330,8 @@ def test_the_final_val_loss_edited_in_the_record_is_damage(tmp_path):
 def test_lab_runs_lists_a_damaged_run_as_unreadable(tmp_path, capsys):
     from lab.cli import main
 
-    out, record = _damaged_run(tmp_path, "synthetic")
-    start, end, _ = record["row_parts"]["step"][1]
-    part = records.part_path(out, "step", start, end)
+    out, _ = _damaged_run(tmp_path, "synthetic")
+    part = sorted((out / "rows" / "step").iterdir())[1]
     assert main(["runs", str(out.parent)]) == 0
     assert "complete" in capsys.readouterr().out
     _change_a_digit(part)

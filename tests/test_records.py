@@ -511,7 +511,7 @@ def test_environment_has_the_facts(base_record):
 def test_without_timings_strips_wall_clock(base_record):
     record = filled(base_record)
     stripped = records.without_timings(record)
-    for key in ("created", "updated", "environment"):
+    for key in ("created", "updated", "environment", "row_parts"):
         assert key not in stripped
     assert all("epoch_wall_s" not in row for row in stripped["trajectory"])
     assert stripped["work"] == {"flops": 1.0e9, "timing": {}}
