@@ -372,7 +372,7 @@ class Lifecycle:
                 self.divergence.check_companions(row, self._companions, "")
             # (record.json lost: the checkpoint's record says what the run was)
             known = old if old is not None else saved
-            if known is not None and done:
+            if known is not None and done and self.status == "running":
                 self._keep_earlier_environment(known.get("environment"), done)
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
@@ -402,7 +402,6 @@ class Lifecycle:
                 # The checkpoint of a finished run whose record.json is behind it (a kill
                 # between the two), gone, or replaced since (a notebook that failed after
                 # training): the run's record, as the checkpoint holds it, is written back.
-                self._keep_run_id(saved["run_id"])
                 self.record = saved
                 records.write_record(self.out, self.record)
             else:  # a format 2 checkpoint: the final metrics and bill of a record that has them

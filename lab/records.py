@@ -627,6 +627,11 @@ def _committed(run_dir: Path, axis: str, count: int, entries: list | None,
         return [(*part, None) for part in _chain(run_dir, axis, count, path)]
     chain = [(start, end, part_path(run_dir, axis, start, end), sha)
              for start, end, sha in entries if end <= count]
+    for start, end, part, _ in chain:
+        if not part.is_file():
+            _fail(path, f"rows.{axis}", f"{count}, but {part} (rows {start} to {end}, "
+                  "committed) is missing", "a row store holding every counted row (restore "
+                  "the part, or replace the run: the same command with --force)")
     reached = chain[-1][1] if chain else 0
     if reached != count:
         past = " and past it" if len(chain) < len(entries) else ""
