@@ -340,6 +340,25 @@ def test_lab_runs_lists_a_damaged_run_as_unreadable(tmp_path, capsys):
     assert "complete" not in shown and "could not be read" in shown and part.name in shown, shown
 
 
+def test_lab_run_does_not_skip_a_damaged_run_as_finished(tmp_path, capsys):
+    # It returned rc 0 ("already finished") for a run whose part had a byte flipped.
+    from lab.cli import main
+
+    out, _ = _damaged_run(tmp_path)
+    part = sorted((out / "rows" / "step").iterdir())[0]
+    _change_a_digit(part)
+    before = _files(out)
+    params = [a for k, v in (("steps", 4), ("batch_size", 4), ("eval_every", 2), ("units", 4),
+                             ("aux_units", 4), ("backbone_units", 4), ("enc_dim", 4),
+                             ("threads", 1), ("checkpoint_every", 2)) for a in ("-p", k, str(v))]
+    notebook = Path(__file__).parent.parent / "notebooks" / "03-train-cfc-aux.ipynb"
+    assert main(["run", str(notebook), "--out", str(out), *params]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"{out} already holds a run whose record cannot be read ({part}: the row part " \
+           "holds other bytes than were committed" in said and "nothing was changed" in said
+    assert _files(out) == before
+
+
 def test_records_of_older_versions_still_load_and_a_resave_hashes_their_parts(tmp_path):
     # A version 2 record (no row_parts): read by line count, as before; saved again (a
     # notebook marking it failed), its parts are hashed as they are.
