@@ -227,6 +227,23 @@ def test_an_older_finished_checkpoint_without_its_record_is_refused_untouched(tm
     assert _same(train_synthetic(config, fresh)) == _same(records.load_record(fresh))
 
 
+def test_an_interrupted_run_of_an_older_lab_resumes_and_its_parts_are_adopted(tmp_path):
+    config = SyntheticConfig(steps=30, checkpoint_every=5)
+    reference = train_synthetic(config, tmp_path / "reference" / "r")
+    out = tmp_path / "old" / "r"
+    _interrupted(config, out, after=12)
+    _as_older_lab(out)
+    record = records.load_record(out, rows=False)
+    older = {k: v for k, v in record.items() if k not in ("row_parts", "final_in_rows")}
+    records.write_json_atomic(out / records.RECORD_FILE, {**older, "schema_version": 2})
+    train_synthetic(config, out)
+    resumed = records.load_record(out)
+    assert _same(resumed) == _same(reference) and resumed["schema_version"] == 3
+    assert [e[:2] for e in resumed["row_parts"]["step"]] == \
+        [[0, 5], [5, 10], [10, 15], [15, 20], [20, 25], [25, 30]]
+    records.check_stored_rows(out)
+
+
 def test_a_trainer_failing_after_divergence_is_recorded_failed_not_lost(tmp_path):
     # The divergence is saved by finish() with the bill; a trainer that fails between the
     # two leaves a failed record saying both.
