@@ -20,13 +20,17 @@ or ``torch.Generator`` s. The lifecycle then
 - writes the final status, metrics and work bill, with the training wall time
   (``work["train_wall_s"]``) summed over every session of the run.
 
+Every checkpoint carries the record as it stands (``record``), so the checkpoint of a
+finished run holds its final metrics and bill: a kill between it and record.json, or a
+record lost since, gives the record back exactly on the next call.
+
 It imports nothing from any trainer. The record stores the trainer's
 declaration of what a complete run holds (:class:`Expectation`), so the
 analysis checks completeness without knowing which trainer made a run.
 
 Order of writes at a checkpoint (each one atomic): the new row part, then the
-checkpoint (parts' states + row count), then record.json. A kill between any
-two leaves parts beyond the counts, which readers ignore and a resume removes.
+checkpoint (parts' states, row count, the record), then record.json. A kill between
+any two leaves parts beyond the counts, which readers ignore and a resume removes.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ import torch
 from tqdm import tqdm
 
 from . import records, runlock
-from .config import ConfigError, as_dict, identity
+from .config import ConfigError, as_dict, from_dict, identity
 
 CHECKPOINT = "checkpoint.pt"
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3  # 3 carries the record; 2 (no record) is still resumed
+READABLE_FORMATS = (2, 3)
 
 
 class CheckpointError(ValueError):
@@ -335,24 +340,40 @@ class Lifecycle:
                 # A call from Python on a notebook's run: what the notebook was asked stays
                 # part of the run (else a rerun with other notebook values would pass).
                 self.record["notebook_params"] = old["notebook_params"]
-        ckpt = self.out / CHECKPOINT
+        ckpt, saved, same = self.out / CHECKPOINT, None, False
         if ckpt.exists():
             # A checkpoint says "finished" for the directory only where the record agrees (or
             # is gone): one copied in from a finished run is that file's story, not the run's.
             state = self._read_checkpoint(ckpt, record_finished=old is None or old.get(
                 "status") in ("complete", "diverged"))
+            done = state["rows"]
+            # The record as of this checkpoint (format 3): a finished run's holds its final
+            # metrics and bill, which record.json may not (a kill between the two, a record
+            # lost or replaced since).
+            saved = records.decode_nonfinite(state["record"]) if "record" in state else None
+            same = old is not None and old["status"] == state["status"] \
+                and old["rows"].get(self.axis) == done
+            if state["status"] != "running" and saved is None and not same \
+                    and not (old is not None and old["work"]):
+                raise CheckpointError(self._lost(state["status"], done, old))
             for name, part in self.parts.items():
                 _load(part, state["parts"][name])
-            done, self._baseline = state["rows"], state["baseline"]
+            self._baseline = state["baseline"]
             # Checkpoints written before the wall time was carried hold none: 0 there.
             self._wall_before = self._wall = float(state.get("wall_s", 0.0))
             self.status, self.error = state["status"], state["error"]
-            records.truncate_rows(self.out, self.axis, done)
-            self.rows_logged = records.read_rows(self.out, self.axis, done)
+            entries = saved["row_parts"].get(self.axis, []) if saved is not None else None
+            records.truncate_rows(self.out, self.axis, done, entries)
+            self.rows_logged = records.read_rows(self.out, self.axis, done, entries)
+            # A store written before parts were hashed: adopted as just read.
+            self.record["row_parts"] = {self.axis: entries if entries is not None else
+                                        records.part_entries(self.out, self.axis, done)}
             for row in self.rows_logged:  # the companions' first values, as first logged
                 self.divergence.check_companions(row, self._companions, "")
-            if old is not None and done:
-                self._keep_earlier_environment(old.get("environment"), done)
+            # (record.json lost: the checkpoint's record says what the run was)
+            known = old if old is not None else saved
+            if known is not None and done and self.status == "running":
+                self._keep_earlier_environment(known.get("environment"), done)
         else:
             if old is not None and old["status"] in ("complete", "diverged"):
                 self._refuse_different(old, "record.json", old["status"])
@@ -363,28 +384,49 @@ class Lifecycle:
                 return len(self.rows_logged)
             done = 0
             records.truncate_rows(self.out, self.axis, 0)
-        if old is not None:
-            self.record["created"] = old["created"]
+        known = old if old is not None else saved
+        if known is not None:
+            self.record["created"] = known["created"]
+        if old is None and saved is not None:
+            self._keep_run_id(saved["run_id"])
+            if "notebook_params" in saved and "notebook_params" not in self.record:
+                self.record["notebook_params"] = saved["notebook_params"]
         self.record["rows"] = {self.axis: done}
         if self.status != "running":
             self.finished = True
-            if old is not None and old["status"] == self.status \
-                    and old["rows"].get(self.axis) == done:
+            if same:
                 # Finished, and its record says so: nothing to do, nothing rewritten.
                 old.pop(records.ROW_KEYS[self.axis], None)
                 self.record = old
-                self.close()
-                return done
-            # The checkpoint of a finished run (its record replaced since, e.g. by a
-            # notebook that failed after training): the run's record is written back.
-            self.record.update(status=self.status, error=self.error,
-                               final=old["final"] if old else {},
-                               work=old["work"] if old else {})
-            records.write_record(self.out, self.record)
+            elif saved is not None:
+                # The checkpoint of a finished run whose record.json is behind it (a kill
+                # between the two), gone, or replaced since (a notebook that failed after
+                # training): the run's record, as the checkpoint holds it, is written back.
+                self.record = saved
+                records.write_record(self.out, self.record)
+            else:  # a format 2 checkpoint: the final metrics and bill of a record that has them
+                self.record.update(status=self.status, error=self.error, final=old["final"],
+                                   work=old["work"],
+                                   final_in_rows=old.get("final_in_rows", []))
+                records.write_record(self.out, self.record)
             self.close()
             return done
         records.write_record(self.out, self.record)
         return done
+
+    def _lost(self, status: str, done: int, old: dict | None) -> str:
+        """Why a finished run's checkpoint from an older lab cannot give its record back."""
+        if old is not None:
+            where = f"its record.json says {old['status']!r} and holds none"
+        elif (self.out / records.RECORD_FILE).exists():
+            where = "its record.json cannot be read"
+        else:
+            where = "its record.json is missing"
+        return (f"{self.out} holds a {status} run ({done} {self.axis} rows) whose final "
+                f"metrics and bill are lost: {where}, and its checkpoint, written by an older "
+                "lab, does not hold them. Nothing was changed. Restore record.json, or train "
+                "the run again: the same command with --force (lab run, lab sweep), or move "
+                "this directory aside (or give another output directory) from Python")
 
     def _keep_earlier_environment(self, before, done: int) -> None:
         """A resume in another environment (thread count, code, packages, machine) than
@@ -430,11 +472,17 @@ class Lifecycle:
 
     def _refuse_different(self, saved_config: dict, what: str,
                           finished: str | None = None) -> None:
-        # Compared as stored (NaN == NaN there), which is also how a resumed record reads.
-        saved = records.encode_nonfinite(identity(saved_config.get("config", saved_config)))
-        now = records.encode_nonfinite(identity(self.config_dict))
-        # Leaf by leaf, as the CLI does: rule_params.eta_A, not two whole dicts.
-        detail = _differences(dict(_leaves("", saved)), dict(_leaves("", now)), ", ")
+        raw = identity(saved_config.get("config", saved_config))
+        # Compared as stored (NaN == NaN there), which is also how a resumed record reads;
+        # leaf by leaf, as the CLI does: rule_params.eta_A, not two whole dicts.
+        then = dict(_leaves("", records.encode_nonfinite(raw)))
+        now = dict(_leaves("", records.encode_nonfinite(identity(self.config_dict))))
+        defaults = self._defaults(raw, set(now) - set(then))
+        then.update(defaults)
+        detail = ", ".join(
+            f"{k}: absent there (read as its default {then[k]!r}) vs {now[k]!r} now"
+            if k in defaults else f"{k}: {then.get(k)!r} there vs {now.get(k)!r} now"
+            for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
         if detail and finished:  # nothing to resume: say what the directory holds
             raise CheckpointError(
                 f"{self.out} holds a {finished} run with a different config ({detail}); "
@@ -444,6 +492,21 @@ class Lifecycle:
             raise CheckpointError(
                 f"{self.out / what} belongs to a run with a different config ({detail}); "
                 "use another output directory, or move this one aside to start afresh")
+
+    def _defaults(self, saved: dict, missing: set) -> dict:
+        """The current defaults of the config keys ``missing`` from a saved config (one
+        written before the key existed): a parameter is added with the default that does
+        what the code did before it, so a run that uses the default is the same run, and
+        one that sets another value is a config change. {} when the saved config no
+        longer builds (a key removed since): then it is compared as it is."""
+        if not missing:
+            return {}
+        try:
+            rebuilt = as_dict(from_dict(type(self.config), saved))
+        except (ConfigError, TypeError, ValueError):
+            return {}
+        leaves = dict(_leaves("", records.encode_nonfinite(identity(rebuilt))))
+        return {name: leaves[name] for name in missing if name in leaves}
 
     def _refuse_other_data(self, saved: dict | None, what: str,
                            finished: str | None = None) -> None:
@@ -478,11 +541,12 @@ class Lifecycle:
             raise CheckpointError(
                 f"checkpoint {path} cannot be read ({type(exc).__name__}: {why}); delete it "
                 "to start the run afresh") from None
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
             raise CheckpointError(
                 f"checkpoint {path} was written by an older lab (format "
                 f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this lab reads "
-                f"{CHECKPOINT_FORMAT}); delete it to start the run afresh")
+                f"{' and '.join(map(str, READABLE_FORMATS))}); delete it to start the run "
+                "afresh")
         # Whose it is comes first: another trainer's config differs in every field.
         there = state.get("kind")  # (checkpoints written before it was kept hold none)
         if isinstance(there, str) and there != self.kind:
@@ -537,8 +601,9 @@ class Lifecycle:
         why = self.divergence.check(row, self._baseline, where) \
             or self.divergence.check_companions(row, self._companions, where)
         if why:
+            # Saved by finish(), with the final metrics and bill: a checkpoint saying
+            # "diverged" without them would be a finished run with its bill lost.
             self.status, self.error = "diverged", why
-            self._save(checkpoint=True)
             return False
         done = len(self.rows_logged)
         if self.checkpoint_every and done % self.checkpoint_every == 0 \
@@ -554,17 +619,23 @@ class Lifecycle:
         if self._runlock is not None:  # RunMoved (both paths named) before anything is written
             self._runlock.check_in_place()
         start = self.record["rows"].get(self.axis, 0)
+        entries = list(self.record["row_parts"].get(self.axis, []))
         if self.pending:
-            records.write_part(self.out, self.axis, self.pending, start)
+            entries.append(records.write_part(self.out, self.axis, self.pending, start))
         done = start + len(self.pending)
+        # The record as it will stand; in memory only once the checkpoint is written (a
+        # failed write leaves the pending rows to the next save, at the same start).
+        committed = {**self.record, "rows": {**self.record["rows"], self.axis: done},
+                     "row_parts": {**self.record["row_parts"], self.axis: entries}}
         if checkpoint:
             state = {"format": CHECKPOINT_FORMAT, "kind": self.kind,
                      "identity": identity(self.config_dict),
                      "rows": done, "baseline": self._baseline, "status": self.status,
                      "error": self.error, "data": self.data, "wall_s": self._wall,
+                     "record": records.encode_nonfinite(committed),
                      "parts": {name: _state(part) for name, part in self.parts.items()}}
             records.atomic_write(self.out / CHECKPOINT, lambda tmp: _save_synced(state, tmp))
-        self.record["rows"] = {**self.record["rows"], self.axis: done}
+        self.record.update(rows=committed["rows"], row_parts=committed["row_parts"])
         records.write_record(self.out, self.record)
         self.pending = []
 
@@ -580,6 +651,12 @@ class Lifecycle:
             self.status, self.error = ("diverged", why) if why else ("complete", None)
         # The lifecycle owns the wall time (every trainer's the same way, across sessions).
         self.record.update(final=final, work={**(work or {}), "train_wall_s": self._wall})
+        # The final metrics that repeat the last row's value (a trainer's last training
+        # loss, an evaluation of the last state): readers check that they still agree.
+        last = self.rows_logged[-1] if self.rows_logged else {}
+        self.record["final_in_rows"] = [
+            name for name, value in final.items() if _number(value) and _number(last.get(name))
+            and records.encode_nonfinite(value) == records.encode_nonfinite(last[name])]
         records.validate_record(self.record)
         try:
             self._save(checkpoint=True)
@@ -615,6 +692,10 @@ class Lifecycle:
         if exc is not None and self._held and self.status == "running" \
                 and not isinstance(exc, KeyboardInterrupt | runlock.RunMoved):
             self.fail(f"{type(exc).__name__}: {exc}")
+        elif exc is not None and self._held and self.status == "diverged" and not self.finished \
+                and not isinstance(exc, KeyboardInterrupt | runlock.RunMoved):
+            # (diverged, then the trainer failed before finish() saved it)
+            self.fail(f"{type(exc).__name__}: {exc} (after the run diverged: {self.error})")
         if isinstance(exc, KeyboardInterrupt) and self._held and self.progress \
                 and self.status == "running":
             # (a Jupyter user sees only torch's traceback otherwise; `lab run` and sweeps

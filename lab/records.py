@@ -9,9 +9,9 @@ A run lives in its own directory::
         checkpoint.pt      optional, written by the run lifecycle
         <notebook>.ipynb   optional, the executed notebook (papermill)
 
-``record.json`` (schema version 2) holds one object::
+``record.json`` (schema version 3) holds one object::
 
-    schema_version  int, == SCHEMA_VERSION (version 1 records are still read)
+    schema_version  int, == SCHEMA_VERSION (versions 1 and 2 are still read)
     run_id          str (by convention the run directory's name)
     kind            str, which trainer made it ("conv", "ep", "cfc", ...)
     status          one of STATUSES
@@ -19,6 +19,13 @@ A run lives in its own directory::
     environment     dict, see environment()
     expect          dict or null: what a complete run holds (lab.lifecycle.Expectation)
     rows            {axis: number of rows committed}, axis "epoch" or "step"
+    row_parts       {axis: [[start, end, sha256], ...]}: the committed parts of the row
+                    store in order (rows [start, end) each, the sha256 of its bytes),
+                    added as each part is committed; every reader checks the parts
+                    against it (version 3)
+    final_in_rows   list of final metric names whose value is the last row's value of
+                    the same name (written by the lifecycle at the end, checked on read;
+                    version 3)
     final           dict of final metrics
     work            dict, the compute bill (may be empty)
     data            optional dict: what identifies the data the run read (absolute
@@ -48,7 +55,8 @@ floats wherever they occur. The price: a string value spelled exactly like one
 of them (say a config field set to "NaN") reads back as a float.
 
 Version 1 records (rows inside record.json as ``trajectory`` and ``steps``)
-are read as they are; only version 2 is written.
+are read as they are; version 2 records (a row store without ``row_parts``) have
+their parts checked by line count only; only version 3 is written.
 
 Only the standard library, numpy and pandas/pyarrow are used here; torch is
 imported lazily by ``environment()`` so analysis code can read records cheaply.
@@ -57,6 +65,7 @@ imported lazily by ``environment()`` so analysis code can read records cheaply.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -78,8 +87,8 @@ import pandas as pd
 
 from . import runlock
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STATUSES = ("running", "complete", "failed", "diverged")
 AXES = ("epoch", "step")
 TIMING_SUFFIX = "wall_s"
@@ -216,6 +225,8 @@ def new_record(*, run_id: str, kind: str, config: dict, device: str | None = Non
         "environment": environment(device),
         "expect": None,
         "rows": {},
+        "row_parts": {},
+        "final_in_rows": [],
         "final": {},
         "work": {},
         "error": None,
@@ -397,6 +408,12 @@ _V2_FIELDS = {
     "expect": ((dict, type(None)), "a dict (lab.lifecycle.Expectation) or null"),
     "rows": (dict, f"a dict {{axis: row count}} with axes from {', '.join(AXES)}"),
 }
+# Version 3 adds what makes every committed row part verifiable.
+_V3_FIELDS = {
+    **_V2_FIELDS,
+    "row_parts": (dict, "a dict {axis: [[start, end, sha256], ...]} of the committed parts"),
+    "final_in_rows": (list, "a list of final metric names"),
+}
 # In memory, rows travel with the record under these keys (save_run writes them to the store).
 ROW_KEYS = {"epoch": "trajectory", "step": "steps"}
 
@@ -443,7 +460,7 @@ def _check_fields(record: dict, path) -> None:
     if not _is_int(version) or version not in READABLE_VERSIONS:
         _fail(path, "schema_version", "missing" if version is None else _describe(version),
               f"one of {READABLE_VERSIONS} (this lab writes version {SCHEMA_VERSION})")
-    fields = {**_FIELD_TYPES, **(_V1_FIELDS if version == 1 else _V2_FIELDS)}
+    fields = {**_FIELD_TYPES, **{1: _V1_FIELDS, 2: _V2_FIELDS}.get(version, _V3_FIELDS)}
     missing = [key for key in fields if key not in record]
     if missing:
         _fail(path, missing[0], "missing", f"a record with all of {', '.join(fields)}")
@@ -464,13 +481,39 @@ def _check_fields(record: dict, path) -> None:
             datetime.fromisoformat(record[key])
         except ValueError:
             _fail(path, key, _describe(record[key]), "an ISO-8601 timestamp string")
-    if version == 2:
+    if version == 3:
+        _check_row_parts(record["row_parts"], path)
+        if not _names(record["final_in_rows"]):
+            _fail(path, "final_in_rows", _describe(record["final_in_rows"]),
+                  "a list of final metric names (non-empty strings)")
+    if version >= 2:
         if record["expect"] is not None:
             _check_expect(record["expect"], path)
         for axis, count in record["rows"].items():
             if axis not in AXES or not _is_int(count) or count < 0:
                 _fail(path, f"rows.{axis}", _describe(count),
                       f"a count >= 0 for an axis in {', '.join(AXES)}")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_row_parts(row_parts: dict, path) -> None:
+    """``row_parts``: per axis, parts [start, end) tiling the rows from 0, each with a sha256."""
+    for axis, entries in row_parts.items():
+        where = f"row_parts.{axis}"
+        if axis not in AXES or not isinstance(entries, list):
+            _fail(path, where, _describe(entries), f"a list of parts for an axis in "
+                  f"{', '.join(AXES)}")
+        position = 0
+        for i, entry in enumerate(entries):
+            if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0])
+                    and _is_int(entry[1]) and entry[0] == position and entry[1] > entry[0]
+                    and isinstance(entry[2], str) and _SHA256.fullmatch(entry[2])):
+                _fail(path, f"{where}[{i}]", _describe(entry),
+                      f"[start, end, sha256] with start {position} (the previous part's "
+                      "end), end > start and 64 lowercase hex digits")
+            position = entry[1]
 
 
 def check_row(row: Any, axis_key: str, where: str, path="<memory>") -> None:
@@ -574,32 +617,75 @@ def _chain(run_dir: Path, axis: str, count: int, path) -> list[tuple[int, int, P
     return chain
 
 
-def write_part(run_dir, axis: str, rows: list[dict], start: int) -> Path:
-    """Write rows [start, start + len(rows)) of ``axis`` as one new part, atomically.
+def _committed(run_dir: Path, axis: str, count: int, entries: list | None,
+               path) -> list[tuple[int, int, Path, str | None]]:
+    """(start, end, file, sha256) of the parts holding rows [0, count): those ``entries``
+    (the record's ``row_parts[axis]``) name, entries beyond the count ignored as parts
+    beyond it are; without entries (a version 2 record), the chain of part files found,
+    with no hash to check."""
+    if entries is None:
+        return [(*part, None) for part in _chain(run_dir, axis, count, path)]
+    chain = [(start, end, part_path(run_dir, axis, start, end), sha)
+             for start, end, sha in entries if end <= count]
+    for start, end, part, _ in chain:
+        if not part.is_file():
+            _fail(path, f"rows.{axis}", f"{count}, but {part} (rows {start} to {end}, "
+                  "committed) is missing", "a row store holding every counted row (restore "
+                  "the part, or replace the run: the same command with --force)")
+    reached = chain[-1][1] if chain else 0
+    if reached != count:
+        past = " and past it" if len(chain) < len(entries) else ""
+        _fail(path, f"rows.{axis}", f"{count}, but row_parts.{axis} commits parts up to row "
+              f"{reached}{past}",
+              "a count at the end of a committed part (edited? restore record.json, or "
+              "replace the run: the same command with --force)")
+    return chain
+
+
+def part_path(run_dir, axis: str, start: int, end: int) -> Path:
+    """The file holding rows [start, end) of ``axis``."""
+    return _parts_dir(Path(run_dir), axis) / f"{start:09d}-{end:09d}{PART_SUFFIX}"
+
+
+def write_part(run_dir, axis: str, rows: list[dict], start: int) -> list:
+    """Write rows [start, start + len(rows)) of ``axis`` as one new part, atomically;
+    return its ``row_parts`` entry ``[start, end, sha256]``.
 
     A part is strict JSON, one row per line (non-finite floats encoded as in
-    record.json), so rows read back exactly as they were logged.
+    record.json), so rows read back exactly as they were logged. Only the new part is
+    hashed, so a save costs in proportion to the rows it adds.
     """
     if axis not in AXES:
         raise ValueError(f"axis={axis!r} is not allowed; choose one of: {', '.join(AXES)}")
     for i, row in enumerate(rows):
         check_row(row, axis, f"{ROW_KEYS[axis]}[{start + i}]")
     lines = [json.dumps(encode_nonfinite(row), allow_nan=False) for row in rows]
+    data = ("\n".join(lines) + "\n").encode("utf-8")
 
     def write(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write("\n".join(lines) + "\n")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
 
-    path = _parts_dir(Path(run_dir), axis) / f"{start:09d}-{start + len(rows):09d}{PART_SUFFIX}"
-    atomic_write(path, write)
-    return path
+    end = start + len(rows)
+    atomic_write(part_path(run_dir, axis, start, end), write)
+    return [start, end, hashlib.sha256(data).hexdigest()]
 
 
-def truncate_rows(run_dir, axis: str, count: int) -> None:
-    """Remove every part that is not in the chain holding rows [0, count)."""
-    keep = {p[2] for p in _chain(Path(run_dir), axis, count, Path(run_dir) / RECORD_FILE)}
+def part_entries(run_dir, axis: str, count: int) -> list:
+    """``row_parts`` entries for the parts now holding rows [0, count) of ``axis`` (a store
+    written before parts were hashed, adopted as it is: read it first to trust it)."""
+    chain = _chain(Path(run_dir), axis, count, Path(run_dir) / RECORD_FILE)
+    return [[start, end, hashlib.sha256(path.read_bytes()).hexdigest()]
+            for start, end, path in chain]
+
+
+def truncate_rows(run_dir, axis: str, count: int, parts: list | None = None) -> None:
+    """Remove every part that is not in the chain holding rows [0, count): the parts
+    ``parts`` (``row_parts`` entries) name, else the longest that fit."""
+    keep = {p[2] for p in _committed(Path(run_dir), axis, count, parts,
+                                     Path(run_dir) / RECORD_FILE)}
     for _, _, path in _parts(Path(run_dir), axis):
         if path not in keep:
             path.unlink(missing_ok=True)
@@ -611,40 +697,80 @@ def _fail_part(path: Path, found: str, expected: str):
                       field=f"<part {path.name}>")
 
 
-def _read_part(path: Path, start: int, end: int, record_path) -> list:
+def _read_part(path: Path, start: int, end: int) -> tuple[list, bytes]:
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = data.decode("utf-8")
         rows = [decode_nonfinite(json.loads(line)) for line in text.splitlines()]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         _fail_part(path, f"unreadable text ({err})", "a part written by "
                    "lab.records.write_part (restore it, or replace the run: --force)")
     if text and not text.endswith("\n"):  # cut short, as check_stored_rows (lab runs) finds
-        _fail_part(path, f"{text.count(chr(10))} complete lines ({len(text.encode())} bytes)",
+        _fail_part(path, f"{text.count(chr(10))} complete lines ({len(data)} bytes)",
                    f"{end - start} rows, as its name says (truncated? restore it, or replace "
                    "the run: --force)")
     if len(rows) != end - start:
         _fail_part(path, f"{len(rows)} rows", f"{end - start} rows, as its name says "
                    "(restore it, or replace the run: --force)")
-    return rows
+    return rows, data
 
 
-def read_rows(run_dir, axis: str, count: int) -> list[dict]:
+def _check_hash(path: Path, data: bytes, sha: str | None) -> None:
+    """The part's bytes are the ones committed (an edit that stays valid JSON, a flipped
+    byte, a part copied from another run)."""
+    if sha is None:  # a version 2 record: nothing to compare with
+        return
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha:
+        _fail_part(path, f"other bytes than were committed (sha256 {found[:16]}..., the "
+                   f"record's row_parts says {sha[:16]}...)", "the part as written (edited or "
+                   "damaged: restore it, or replace the run: the same command with --force)")
+
+
+def read_rows(run_dir, axis: str, count: int, parts: list | None = None) -> list[dict]:
     """Rows [0, count) of ``axis``, validated, as the dicts that were logged.
 
+    ``parts``: the record's ``row_parts[axis]`` (version 3): the files to read, each
+    checked against its sha256; without it (version 2), the chain of part files found.
     A bad row is named by the part that holds it and its place on the axis
     (``rows/epoch/000000001-000000002.jsonl: field 'epoch[1].loss' ...``): the file to
     look at, not the record that counts the rows."""
     record_path = Path(run_dir) / RECORD_FILE
     rows, previous = [], None
-    for start, end, path in _chain(Path(run_dir), axis, count, record_path):
-        part = _read_part(path, start, end, record_path)
+    for start, end, path, sha in _committed(Path(run_dir), axis, count, parts, record_path):
+        part, data = _read_part(path, start, end)
         for i, row in enumerate(part, start):
             where = f"{axis}[{i}]"
             check_row(row, axis, where, path)
             _check_order(row[axis], i, previous, axis, where, path)
             previous = row[axis]
+        _check_hash(path, data, sha)
         rows += part
     return rows
+
+
+def _check_final_in_rows(record: dict, last: dict | None, part: Path | None,
+                         record_path) -> None:
+    """The final metrics the lifecycle found equal to the last row's (``final_in_rows``)
+    still are: an edit of either side that stays valid is caught."""
+    names = record.get("final_in_rows") or []
+    axis = main_axis(record)
+    if not names or axis is None or last is None:
+        return
+    for name in names:
+        final, row = record["final"].get(name), last.get(name)
+        if name not in record["final"] or name not in last \
+                or encode_nonfinite(final) != encode_nonfinite(row):
+            _fail(record_path, f"final.{name}",
+                  f"{final!r} but {part} holds {axis}[{last.get(axis)}].{name}={row!r}",
+                  "the same value in both (the lifecycle wrote one quantity twice; one of "
+                  "the two files was edited: restore it, or replace the run: the same command "
+                  "with --force)")
+
+
+def _row_parts(record: dict, axis: str) -> list | None:
+    """The record's committed parts of ``axis``; None for a record older than version 3."""
+    return record["row_parts"].get(axis, []) if "row_parts" in record else None
 
 
 def _check_complete_counts(record: dict, record_path) -> None:
@@ -664,13 +790,14 @@ def _check_complete_counts(record: dict, record_path) -> None:
 
 
 def check_stored_rows(run_dir) -> None:
-    """Every counted row of each axis is in the run's row store, by line count only.
+    """Every counted row of each axis is in the run's row store, as it was committed.
 
     The cheap check ``lab runs`` makes of every run it lists (``read_rows`` parses every
     row; a sweep's listing should not): each part of the chain that holds rows [0, count)
-    ends with a newline and has one line per row it names. A truncated or emptied part
-    (a disk that filled, a copy cut short) is a RecordError naming it, as
-    ``load_metrics`` would give.
+    ends with a newline, has one line per row it names and (version 3) the sha256 the
+    record committed; the last row's values the final metrics repeat (``final_in_rows``)
+    equal them. A truncated, emptied or edited part (a disk that filled, a copy cut short,
+    a flipped byte, a hand edit) is a RecordError naming it, as ``load_metrics`` would give.
     """
     run_dir = Path(run_dir)
     record_path = run_dir / RECORD_FILE
@@ -679,7 +806,8 @@ def check_stored_rows(run_dir) -> None:
         return
     _check_complete_counts(record, record_path)
     for axis, count in record["rows"].items():
-        for start, end, path in _chain(run_dir, axis, count, record_path):
+        chain = _committed(run_dir, axis, count, _row_parts(record, axis), record_path)
+        for start, end, path, sha in chain:
             try:
                 data = path.read_bytes()
             except OSError as err:
@@ -690,6 +818,18 @@ def check_stored_rows(run_dir) -> None:
                 _fail_part(path, f"{lines} complete lines ({len(data)} bytes)",
                            f"{end - start} rows, as its name says (truncated? restore it, "
                            "or replace the run: --force)")
+            if sha is None:  # version 2: no hash, but its text must at least be text
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    _fail_part(path, f"unreadable text ({err})", "a part written by "
+                               "lab.records.write_part (restore it, or replace the run: "
+                               "--force)")
+            _check_hash(path, data, sha)
+        if chain and axis == main_axis(record) and record.get("final_in_rows"):
+            last = data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+            _check_final_in_rows(record, decode_nonfinite(json.loads(last)), chain[-1][2],
+                                 record_path)
 
 
 # ---------------------------------------------------------------------------
@@ -736,25 +876,39 @@ def save_run(run_dir, record) -> Path:
     replace that axis's store (one part, then the record, then the stale parts
     go); without them the store is left as it is and only record.json is
     written. The append path is :func:`append_rows` (what the run lifecycle
-    uses). ``updated`` is refreshed; ``created`` is kept as given.
+    uses). ``updated`` is refreshed; ``created`` is kept as given. An older record's
+    parts are hashed into ``row_parts`` as they are now (one whose store is broken
+    keeps its version, so readers still say what is missing).
     """
     run_dir = Path(run_dir)
     path = run_dir / RECORD_FILE
     validate_record(record, path)
     record["updated"] = _now()
-    record["schema_version"] = SCHEMA_VERSION
     record.setdefault("expect", None)
     counts = dict(record.get("rows", {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     carried = {axis: record[key] for axis, key in ROW_KEYS.items() if key in record}
+    parts = record.get("row_parts")
+    if parts is None:
+        try:
+            parts = {axis: part_entries(run_dir, axis, count) for axis, count in counts.items()
+                     if axis not in carried and count}
+        except RecordError:
+            parts = None
     for axis, rows in carried.items():
-        if rows:
-            write_part(run_dir, axis, rows, 0)
+        entry = write_part(run_dir, axis, rows, 0) if rows else None
+        if parts is not None:
+            parts = {**parts, axis: [entry] if entry else []}
         counts[axis] = len(rows)
     record["rows"] = counts
+    if parts is not None:
+        record.update(schema_version=SCHEMA_VERSION, row_parts=parts,
+                      final_in_rows=record.get("final_in_rows", []))
+    else:
+        record["schema_version"] = 2
     write_json_atomic(path, _stored(record))
     for axis in carried:
-        truncate_rows(run_dir, axis, counts[axis])
+        truncate_rows(run_dir, axis, counts[axis], _row_parts(record, axis))
     return path
 
 
@@ -771,7 +925,10 @@ def append_rows(run_dir, record: dict, axis: str, rows: list[dict]) -> None:
     run_dir = Path(run_dir)
     start = record["rows"].get(axis, 0)
     if rows:
-        write_part(run_dir, axis, rows, start)
+        entry = write_part(run_dir, axis, rows, start)
+        if "row_parts" in record:
+            record["row_parts"] = {**record["row_parts"],
+                                   axis: [*record["row_parts"].get(axis, []), entry]}
     record["rows"] = {**record["rows"], axis: start + len(rows)}
     write_record(run_dir, record)
 
@@ -832,8 +989,20 @@ def load_record(run_dir_or_record_json, *, rows: bool = True) -> dict:
     record = _read_record(path)
     if rows and record["schema_version"] != 1:
         for axis, count in record["rows"].items():
-            record[ROW_KEYS[axis]] = read_rows(path.parent, axis, count)
+            record[ROW_KEYS[axis]] = read_rows(path.parent, axis, count,
+                                               _row_parts(record, axis))
+        _check_final_against(record, path)
     return record
+
+
+def _check_final_against(record: dict, record_path: Path) -> None:
+    """``final_in_rows`` of a record read with its rows."""
+    axis = main_axis(record)
+    rows = record.get(ROW_KEYS[axis], []) if axis else []
+    if rows and record.get("final_in_rows"):
+        last = _committed(record_path.parent, axis, len(rows), _row_parts(record, axis),
+                          record_path)[-1][2]
+        _check_final_in_rows(record, rows[-1], last, record_path)
 
 
 # ---------------------------------------------------------------------------
@@ -1055,9 +1224,10 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     a run in progress and for one whose process was killed; the run's lock tells them
     apart, so a killed run reads "interrupted".
 
-    A run that is not live has its row store checked by line count
-    (:func:`check_stored_rows`): parts cut short make it unreadable, as ``load_metrics``
-    and ``lab runs`` find it, never a "complete" run without all its rows.
+    A run that is not live has its row store checked (:func:`check_stored_rows`: line
+    counts, the parts' sha256, the final metrics that repeat the last row): parts cut
+    short, damaged or edited make it unreadable, as ``load_metrics`` and ``lab runs`` find
+    it, never a "complete" run without all its rows as they were written.
 
     ``path`` is the run directory, ``axis`` / ``n_rows`` its main axis and row
     count, ``expect`` its completeness declaration (dict, or None for records
@@ -1076,7 +1246,7 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
             row = _run_row(load_record(path, rows=False), path) | _old_run_id(path)
             row["status"] = live_status(row["status"], row["path"])
             if row["status"] != "running":  # a live run may be replacing its parts
-                check_stored_rows(row["path"])  # a row store cut short: not "complete"
+                check_stored_rows(row["path"])  # a row store cut short or edited: not complete
             rows.append(row)
         except RecordError as err:
             problems.append((path, str(err)))
@@ -1140,7 +1310,9 @@ def run_metrics(record_path) -> pd.DataFrame:
         return _v1_metrics(record_path, record)
     _check_complete_counts(record, record_path)  # as every listing checks it
     for axis, count in record["rows"].items():
-        record[ROW_KEYS[axis]] = read_rows(record_path.parent, axis, count)
+        record[ROW_KEYS[axis]] = read_rows(record_path.parent, axis, count,
+                                           _row_parts(record, axis))
+    _check_final_against(record, record_path)
     return tidy_metrics(record)
 
 
@@ -1194,10 +1366,11 @@ def without_timings(obj):
     """Deep copy without wall-clock fields, for comparing two runs that should be identical.
 
     Drops every key ending in TIMING_SUFFIX ("wall_s") at any depth, and the
-    top-level "created", "updated" and "environment".
+    top-level "created", "updated", "environment" and "row_parts" (the parts' hashes
+    cover their rows' timings, and their bounds the checkpoint cadence).
     """
     stripped = _strip_timings(obj)
     if isinstance(stripped, dict):
-        for key in ("created", "updated", "environment"):
+        for key in ("created", "updated", "environment", "row_parts"):
             stripped.pop(key, None)
     return stripped

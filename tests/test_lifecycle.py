@@ -246,8 +246,11 @@ def test_checkpoint_holds_state_and_a_count_not_the_rows(tmp_path):
     train_synthetic(SyntheticConfig(steps=25, checkpoint_every=10), tmp_path / "r")
     state = torch.load(tmp_path / "r" / CHECKPOINT, weights_only=True)
     assert set(state) == {"format", "kind", "identity", "rows", "baseline", "status", "error",
-                          "parts", "data", "wall_s"}
+                          "parts", "data", "wall_s", "record"}
     assert state["rows"] == 25 and set(state["parts"]) == {"weights", "generator"}
+    # the record as record.json holds it (final metrics and bill), not the rows
+    stored = records.load_record(tmp_path / "r", rows=False)
+    assert {**records.decode_nonfinite(state["record"]), "updated": stored["updated"]} == stored
     # One part per save: rows 0-10, 10-20, 20-25.
     names = sorted(p.name for p in (tmp_path / "r" / "rows" / "step").iterdir())
     assert names == ["000000000-000000010.jsonl", "000000010-000000020.jsonl",

@@ -511,7 +511,7 @@ def test_environment_has_the_facts(base_record):
 def test_without_timings_strips_wall_clock(base_record):
     record = filled(base_record)
     stripped = records.without_timings(record)
-    for key in ("created", "updated", "environment"):
+    for key in ("created", "updated", "environment", "row_parts"):
         assert key not in stripped
     assert all("epoch_wall_s" not in row for row in stripped["trajectory"])
     assert stripped["work"] == {"flops": 1.0e9, "timing": {}}
@@ -735,8 +735,15 @@ def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, ti
         records.load_runs(tmp_path)
     with pytest.raises(RecordError, match="1 for a complete run"):  # it returned one epoch
         records.load_metrics(tmp_path)
-    # a diverged run may stop short of its declared rows
+    # a diverged run may stop short of its declared rows (its final metrics repeat its own
+    # last row, not this one's: with the run's final_in_rows the lowered count is caught)
     records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}, "status": "diverged"})
+    assert record["final_in_rows"] == ["train_loss", "train_acc", "val_acc"]
+    with pytest.raises(RecordError, match=r"field 'final.train_loss' is .* but .*"
+                                          r"000000000-000000001.jsonl holds epoch\[0\]"):
+        records.check_stored_rows(tmp_path / "r")
+    records.write_record(tmp_path / "r", {**record, "rows": {"epoch": 1}, "status": "diverged",
+                                          "final_in_rows": []})
     records.check_stored_rows(tmp_path / "r")
     assert list(records.load_metrics(tmp_path).query("axis == 'epoch'")["index"].unique()) == [0]
 
