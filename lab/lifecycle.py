@@ -291,6 +291,9 @@ class Lifecycle:
         extras = runlock.notebook_params(self.out) if self.out is not None else None
         if extras is not None:
             self.record["notebook_params"] = extras
+        code = runlock.notebook_code(self.out) if self.out is not None else None
+        if code is not None:
+            self.record["code"] = code
         if self.data is not None:
             self.record["data"] = copy.deepcopy(self.data)
         # Training wall time: earlier sessions' share (from the checkpoint) plus this
@@ -336,10 +339,11 @@ class Lifecycle:
                 "runs: give it another output directory (or move this one aside)")
         if old is not None:
             self._keep_run_id(old["run_id"])
-            if "notebook_params" in old and not runlock.held_by_parent(self.out):
-                # A call from Python on a notebook's run: what the notebook was asked stays
-                # part of the run (else a rerun with other notebook values would pass).
-                self.record["notebook_params"] = old["notebook_params"]
+            for key in ("notebook_params", "code"):
+                if key in old and not runlock.held_by_parent(self.out):
+                    # A call from Python on a notebook's run: what the notebook was asked
+                    # and its code stay part of the run.
+                    self.record[key] = old[key]
         ckpt, saved, same = self.out / CHECKPOINT, None, False
         if ckpt.exists():
             # A checkpoint says "finished" for the directory only where the record agrees (or

@@ -288,3 +288,29 @@ def test_the_lock_does_not_import_records():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert json.loads(out.replace("'", '"')) == ["lab.config", "lab.runlock"]
+def test_a_trainers_running_record_holds_the_code_from_its_first_write(tmp_path, monkeypatch,
+                                                                         tiny):
+    import lab.train.conv as conv
+    from lab.train import ConvConfig, train_conv
+
+    code = {"sha256": "ab" * 32, "cells": ["cd" * 8]}
+    out = tmp_path / "r"
+    monkeypatch.setenv(runlock.ENV, str(out))
+    monkeypatch.setenv(runlock.CODE_ENV, json.dumps(code))
+    real = conv._train_epoch
+
+    def crash(run, e, kind, life):
+        if e == 2:
+            raise KeyboardInterrupt
+        return real(run, e, kind, life)
+
+    monkeypatch.setattr(conv, "_train_epoch", crash)
+    with runlock.acquire(out), pytest.raises(KeyboardInterrupt):
+        train_conv(ConvConfig(**tiny), out)
+    record = records.load_record(out, rows=False)
+    assert record["status"] == "running" and record[CODE_KEY] == code
+    monkeypatch.delenv(runlock.ENV)
+    monkeypatch.delenv(runlock.CODE_ENV)
+    monkeypatch.setattr(conv, "_train_epoch", real)
+    record = train_conv(ConvConfig(**tiny), out)  # resumed from Python: the code stays
+    assert record["status"] == "complete" and record[CODE_KEY] == code

@@ -718,7 +718,7 @@ def test_runs_sharing_a_run_id_in_different_folders_stay_apart(base_record, tmp_
 def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, tiny):
     # status set to complete on a run killed half way (or a row count lowered) read as
     # complete in `lab runs`, load_runs and resume, and a sweep skipped it.
-    from lab import runlock
+    from lab.notebook import run_state
     from lab.train import ConvConfig, train_conv
 
     train_conv(ConvConfig(**{**tiny, "epochs": 2}), tmp_path / "r")
@@ -730,7 +730,7 @@ def test_a_complete_run_with_fewer_rows_than_declared_is_unreadable(tmp_path, ti
                                           r"complete run; allowed: 2, the rows its expect "
                                           r"declares"):
         records.check_stored_rows(tmp_path / "r")
-    assert runlock.inspect(tmp_path / "r").status == "unreadable"
+    assert run_state(tmp_path / "r").status == "unreadable"
     with pytest.raises(RecordError, match="1 for a complete run"):
         records.load_runs(tmp_path)
     with pytest.raises(RecordError, match="1 for a complete run"):  # it returned one epoch
