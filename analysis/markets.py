@@ -31,7 +31,7 @@ import pandas as pd
 METRICS = ("accuracy", "balanced_accuracy", "roc_auc", "log_loss")
 RESAMPLES = 1000
 BOOT_SEED = 0
-LOGREG_C = (0.001, 0.01, 0.1, 1.0)
+LOGREG_C = (0.0001, 0.001, 0.01, 0.1, 1.0)
 _EPS = 1e-7  # log loss clips probabilities here (as a float32 sigmoid can reach 0 or 1)
 
 
