@@ -16,11 +16,12 @@ from .completeness import (
     find_problems,
 )
 from .figures import NotebookFigure, curve_bands, learning_curves, run_curves
-from .load import ProtocolRuns, load_protocol_runs
+from .load import MixedCodeError, ProtocolRuns, load_protocol_runs
 from .summary import format_mean_std, summarize
 
 __all__ = [
-    "IncompleteProtocolError", "NotebookFigure", "ProtocolRuns", "check_complete", "check_kind",
+    "IncompleteProtocolError", "MixedCodeError", "NotebookFigure", "ProtocolRuns",
+    "check_complete", "check_kind",
     "check_names",
     "curve_bands", "find_problems", "format_mean_std", "learning_curves", "load_protocol_runs",
     "run_curves", "summarize", "UnknownFieldError",

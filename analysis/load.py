@@ -18,12 +18,19 @@ one column of the values as the protocol writes them (``{}``,
 lacks that leaf. :attr:`ProtocolRuns.group_keys` names those columns, so summaries
 and figures group by any grid key.
 
+Runs made with different versions of the notebook's code (the records' ``code``
+hashes differ: a code cell was edited between runs) are not one experiment:
+:func:`load_protocol_runs` refuses them (:class:`MixedCodeError`, naming each version
+and its runs) unless called with ``mixed_code=True``. A record from before the code was
+recorded has no version ("code unknown") and mixes with any.
+
 A final metric a record holds as None (CfC's ``lift_step`` when the lift never
 fired) is a column of NaN in the runs table, even when no run has a number there.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,7 +159,38 @@ def _flat(point: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
+class MixedCodeError(ValueError):
+    """The protocol's runs were made with more than one version of the notebook's code."""
+
+
+def _refuse_mixed_code(protocol: Protocol, dirs: list[Path]) -> None:
+    from lab.notebook import CODE_KEY, NotebookError, code_identity
+
+    versions: dict[str, list[str]] = {}
+    for run_dir in dirs:
+        code = json.loads((run_dir / records.RECORD_FILE).read_bytes()).get(CODE_KEY)
+        if isinstance(code, dict) and isinstance(code.get("sha256"), str):
+            versions.setdefault(code["sha256"], []).append(run_dir.name)
+    if len(versions) < 2:
+        return
+    try:
+        now = code_identity(protocol.notebook).sha256
+    except NotebookError:
+        now = None
+    listed = "\n".join(
+        f"  - version {sha[:12]}{' (the notebook now)' if sha == now else ''}: "
+        f"{len(ids)} run(s): {', '.join(ids[:4])}{', ...' if len(ids) > 4 else ''}"
+        for sha, ids in versions.items())
+    raise MixedCodeError(
+        f"the runs of protocol {protocol.name!r} were made with {len(versions)} versions of "
+        f"its notebook's code ({protocol.notebook}), so they are not one experiment:\n"
+        f"{listed}\nrerun the runs of the old code with the notebook as it is now (`lab sweep "
+        f"{protocol.source}` calls them stale; --force replaces them), or pass "
+        "mixed_code=True to analyse the versions together knowingly")
+
+
+def load_protocol_runs(protocol_path, runs_dir=None, *, mixed_code: bool = False
+                       ) -> ProtocolRuns:
     """Load ``protocol_path`` and its runs (from ``runs_dir``, default the protocol's ``out``).
 
     A missing ``out`` (the sweep has not run yet) loads as no runs: the
@@ -160,8 +198,10 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
     but not there is a FileNotFoundError naming it (a typo; rerunning the sweep
     would not fill it), one that is a file a NotADirectoryError. A protocol or
     runs directory that is not a path (``-p protocol 3`` in a notebook) is a
-    TypeError naming it.
+    TypeError naming it. Runs of more than one version of the notebook's code are refused
+    (:class:`MixedCodeError`) unless ``mixed_code`` is True.
     """
+    records.check_flag(mixed_code, "load_protocol_runs", "mixed_code")
     path_like(protocol_path, "protocol", "the path of a protocol YAML file")
     if runs_dir is not None and runs_dir != "":  # empty, like None: the protocol's out
         path_like(runs_dir, "runs_dir", "a directory of runs (or empty/None: the protocol's out)")
@@ -204,6 +244,8 @@ def load_protocol_runs(protocol_path, runs_dir=None) -> ProtocolRuns:
         raise records.RecordError(f"{len(problems)} run records could not be read (fix or "
                                   f"remove them; none were skipped):\n{lines}",
                                   path=problems[0][0], problems=problems)
+    if not mixed_code:
+        _refuse_mixed_code(protocol, [Path(p) for frame in run_frames for p in frame["path"]])
     run_frames = [frame for frame in run_frames if len(frame)]
     runs = pd.concat(run_frames, ignore_index=True) if run_frames else \
         pd.DataFrame(columns=list(records.RUN_COLUMNS))

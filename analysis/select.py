@@ -167,8 +167,8 @@ class Selection:
 
         header = (f"# Chosen by `lab select {self.data.protocol.source}`: for each "
                   f"{self.spec.per or 'protocol'}, the {', '.join(self.spec.choose)} with the "
-                  f"{self.spec.goal} mean final {self.spec.metric} over "
-                  f"{int(self.result['n'].max())} runs on the validation split.\n"
+                  f"{self.spec.goal} mean final {self.spec.metric} on the validation split "
+                  f"over the seeds ({int(self.result['n'].max())} runs a candidate).\n"
                   "# Generated: edit the selection protocol and rerun rather than this file.\n")
         body = yaml.safe_dump(fragment(self.result, self.spec), sort_keys=False)
         self.spec.into.parent.mkdir(parents=True, exist_ok=True)
@@ -176,10 +176,11 @@ class Selection:
         return self.spec.into
 
 
-def select(protocol_path, runs_dir=None) -> Selection:
+def select(protocol_path, runs_dir=None, *, mixed_code: bool = False) -> Selection:
     """Load a selection protocol's runs and choose; IncompleteProtocolError unless every
-    expected run finished (complete, or diverged: a result that loses)."""
-    data = load_protocol_runs(protocol_path, runs_dir)
+    expected run finished (complete, or diverged: a result that loses). ``mixed_code``: as
+    :func:`analysis.load.load_protocol_runs`."""
+    data = load_protocol_runs(protocol_path, runs_dir, mixed_code=mixed_code)
     spec = read_spec(getattr(data.protocol, "select", None), data.protocol.grid, protocol_path)
     problems = [p for p in find_problems(data.runs, data.metrics, data.expected_ids)
                 if "status 'diverged'" not in p]

@@ -1,8 +1,9 @@
 """The ``lab`` command (and ``python -m lab``): imports the CLI, then runs it.
 
-Importing the CLI takes a few tenths of a second (yaml, the config module); a Ctrl-C
-then, before ``lab.cli.main`` handles interrupts, used to print Python's import
-traceback. This module is kept free of imports of its own so that it can catch it.
+Importing the CLI takes a few tenths of a second (click, ruamel.yaml, the config
+module); a Ctrl-C then, before ``lab.cli.main`` handles interrupts, used to print
+Python's import traceback. This module is kept free of imports of its own so that it
+can catch it.
 """
 
 import sys

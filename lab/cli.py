@@ -23,8 +23,8 @@ inside another run's directory or one that already holds run directories).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -36,22 +36,28 @@ import textwrap
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-import yaml
+import click
 
 from . import runlock
 from .config import (
     ConfigError,
     DuplicateKeyError,
+    YAMLError,
     as_dict,
     dotted_parent,
+    from_dict,
     load_yaml,
     read_yaml_mapping,
 )
 
 if TYPE_CHECKING:
     import pandas as pd
+
+# The commands import records, notebook, sweep and train (pandas, papermill, Dask, torch)
+# when they run: `lab --help` and a refused parameter do not wait for them.
 
 
 class ParameterFileError(ConfigError):
@@ -78,7 +84,7 @@ def parse_value(text: str, key: str | None = None):
     except DuplicateKeyError as err:  # a dict, but which value was meant is unknown
         where = f"-p {key} {text!r}" if key is not None else repr(text)
         raise ConfigError(f"{where}: {err.problem}") from None
-    except yaml.YAMLError:
+    except YAMLError:
         return text  # not YAML (e.g. "[fast"): the text itself, for the config to judge
     if value is None and not _NULL.match(text.strip()):
         return text
@@ -122,9 +128,9 @@ def collect_params(pairs: list[list[str]] | None, files: list[str] | None) -> di
     return params
 
 
-def _error(exc: Exception | str) -> int:
+def _error(exc: Exception | str, code: int = 2) -> int:
     print(f"error: {exc}", file=sys.stderr)
-    return 2
+    return code
 
 
 _CHECKPOINT = "checkpoint.pt"  # lab.lifecycle.CHECKPOINT (which imports torch)
@@ -143,29 +149,6 @@ def _interrupted(out) -> int:
         print(f"\ninterrupted; run the same command again to resume {out} from its last "
               "checkpoint", file=sys.stderr)
     return 130
-
-
-def positive_int(text: str) -> int:
-    """argparse type of a count (the benchmarks' --rounds, --threads ...): an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _workers(text: str) -> int:
-    """argparse type of --workers: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--workers {text!r}: give a whole number >= 1 "
-                                         "(local Dask worker processes)")
-    return value
 
 
 def _replace(force: bool) -> str:
@@ -191,10 +174,7 @@ def _check_run_dir(out) -> ConfigError | None:
 
 
 def _train(args) -> int:
-
-    from .config import from_dict
     from .notebook import Resolved, apply_params, decide
-    from .runlock import RunLocked, move_aside
     from .train import ConvConfig, train_conv
 
     out = Path(args.out).resolve()
@@ -211,25 +191,22 @@ def _train(args) -> int:
             config.preflight()
     except ConfigError as exc:
         return _error(exc)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     if decision == "done":
         print(f"{out.name}: already {state.status} with these parameters; nothing to do "
               f"(--force trains it afresh, keeping the old run aside) -> {args.out}")
         return 0 if state.status == "complete" else 1
     try:
         if decision == "replace":
-            print(f"the old run is kept in {move_aside(out)}")
+            print(f"the old run is kept in {runlock.move_aside(out)}")
         record = train_conv(config, out)
     except KeyboardInterrupt:
         return _interrupted(args.out)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     except (ValueError, OSError) as exc:  # e.g. DataError: the dataset is smaller than n_train
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _error(f"{type(exc).__name__}: {exc}", 1)
     print(f"{record['status']}: {record['final']} -> {args.out}")
     if record.get("error"):
         print(f"error: {record['error']}", file=sys.stderr)
@@ -238,7 +215,6 @@ def _train(args) -> int:
 
 def _run(args) -> int:
     from .notebook import NotebookError, RunConflict, execute
-    from .runlock import RunLocked
 
     unwritable = None
     try:
@@ -249,14 +225,12 @@ def _run(args) -> int:
         return _interrupted(args.out)
     except (RunConflict, ConfigError, NotebookError) as exc:
         return _error(exc)
-    except RunLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except runlock.RunLocked as exc:
+        return _error(exc, 1)
     except OSError as exc:  # the machine, not a parameter (those are checked first): exit 1
         if unwritable is not None:  # a finished run there, and these parameters must write
             return _error(unwritable)
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _error(f"{type(exc).__name__}: {exc}", 1)
     if result.skipped:
         print(f"{result.run_id}: already {result.status} with these parameters; nothing to do "
               f"(--force runs it afresh, keeping the old run aside) -> {result.out_dir}")
@@ -277,7 +251,7 @@ def _run(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import ProtocolError, SchedulerError, load_protocol, run_sweep
+    from .sweep import ProtocolError, SchedulerError, expand, load_protocol, run_sweep
 
     try:
         protocol = load_protocol(args.protocol)
@@ -291,7 +265,7 @@ def _sweep(args) -> int:
     except KeyboardInterrupt:
         # Finished runs are on disk; unfinished ones resume from their checkpoints.
         # The same command resumes: the cluster it named, and its options.
-        again = shlex.join(["lab", "sweep", args.protocol]
+        again = shlex.join(["lab", args.command, args.protocol]
                            + (["--scheduler", args.scheduler] if args.scheduler else [])
                            + (["--workers", str(args.workers)] if args.workers else []))
         print(f"\ninterrupted; run `{again}` again to finish the remaining runs (finished "
@@ -304,13 +278,45 @@ def _sweep(args) -> int:
     table = report.table()[["run_id", "status", "skipped", "wall_s", "error"]].fillna("")
     print(table.to_string(index=False, max_colwidth=80))
     print(report.summary())
-    from .sweep import expand
-
     others = _not_in_protocol(Path(protocol.out), [spec.run_id for spec in expand(protocol)])
     if others:  # a grid value removed since: left alone, and said so (as `lab runs` does)
         print(f"note: {_not_in_protocol_note(others)}; the sweep leaves "
               f"{'it' if len(others) == 1 else 'them'} alone")
     return 1 if report.failed or report.left_alone else 0
+
+
+def _select(args) -> int:
+    """A selection protocol's sweep, then the choice (analysis.select), written to its
+    ``select.into`` for the final protocol to include."""
+    # analysis sits above lab; only this command needs it (and pandas through it).
+    from analysis.completeness import IncompleteProtocolError
+    from analysis.select import SelectionError, read_spec, select
+
+    from .records import RecordError
+    from .sweep import ProtocolError, load_protocol
+
+    try:
+        protocol = load_protocol(args.protocol)
+        read_spec(protocol.select, protocol.grid, args.protocol)
+    except (ProtocolError, SelectionError) as exc:
+        if isinstance(exc, SelectionError) and not protocol.select:
+            exc = f"{args.protocol} has no select section, so there is nothing to choose; " \
+                  "a selection protocol says what to choose (docs/sweeps-and-protocols.md)"
+        return _error(exc)
+    code = _sweep(args)
+    if code:
+        print("selection not made: every run must finish first", file=sys.stderr)
+        return code
+    try:
+        selection = select(args.protocol)
+    except (SelectionError, IncompleteProtocolError, RecordError) as exc:
+        return _error(exc)
+    path = selection.write()
+    spec = selection.spec
+    print(selection.result.to_string(index=False))
+    print(f"chosen: {spec.goal} mean final {spec.metric} over seeds, per "
+          f"{spec.per or 'protocol'}; written to {path}")
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +327,7 @@ def _run_rows(record_dirs: list[Path]) -> tuple[pd.DataFrame, list[tuple[Path, s
     """The readable runs (load_runs' rows, status made live) and the unreadable ones."""
     import pandas as pd
 
-    from . import records, runlock
+    from . import records
 
     frames, unreadable = [], []
     for run_dir in record_dirs:
@@ -352,7 +358,7 @@ def _with_starting(runs: pd.DataFrame, root: Path, expected: list[str] | None) -
     first record (its lock and executed notebook are there), so it is not invisible."""
     import pandas as pd
 
-    from . import records, runlock
+    from . import records
     from .notebook import OUTPUT_NOTEBOOK
 
     if not root.is_dir():
@@ -537,7 +543,7 @@ _ERROR_WIDTH = 60  # characters of a run's message in `lab runs`' table
 def _report_lock(out: Path, base: str):
     """One `lab report` at a time writes ``out/base``: a second one waits for the first
     (they would delete each other's pending notebook), then makes its own."""
-    from filelock import FileLock, Timeout
+    from filelock import FileLock, Timeout  # (20 ms at start-up that only reports need)
 
     lock = FileLock(out / f".{base}.report.lock")
     try:
@@ -643,11 +649,13 @@ def _report(args) -> int:
                     f"none of the {len(run_ids)} run(s) of {protocol.source} has a record in "
                     f"{protocol.out} yet, so no report was made: run `lab sweep "
                     f"{args.protocol}` first")
-            stale = stale_runs(protocol)
+            stale = stale_runs(protocol, mixed_code=args.mixed_code)
             if stale:
                 raise NotebookError(
                     f"{len(stale)} run(s) of {protocol.source} are not what the protocol asks "
-                    "now, so no report was made (rerun them with `lab sweep --force`):\n"
+                    "now, so no report was made (rerun them with `lab sweep --force`; runs "
+                    "that differ only in the notebook's code may be reported together, "
+                    "knowingly, with --mixed-code):\n"
                     + "\n".join(f"  - {run_id}: {why}" for run_id, why in stale.items()))
             others = _not_in_protocol(Path(protocol.out), run_ids)
             if others:  # as `lab runs PROTOCOL` says; the report reads only the protocol's
@@ -655,6 +663,13 @@ def _report(args) -> int:
                       f"{'it' if len(others) == 1 else 'them'} out", file=sys.stderr)
         # absolute: the executed report says which protocol file made it, wherever from
         params = {"protocol": str(Path(protocol.source).resolve())}
+        if args.mixed_code:
+            if "mixed_code" not in notebook_spec(notebook, with_class=False).declared:
+                raise NotebookError(f"--mixed-code: {notebook} does not take a mixed_code "
+                                    "parameter, so it would refuse the runs anyway; add "
+                                    "`mixed_code = False` to its parameters cell and pass it "
+                                    "to load_protocol_runs")
+            params["mixed_code"] = True
         if args.runs:
             if not Path(args.runs).is_dir():
                 raise NotebookError(f"--runs {args.runs}: no such directory of runs")
@@ -709,80 +724,101 @@ def _report(args) -> int:
     return 0
 
 
-# A -p value argparse would take for an option: a negative number it does not know as
-# one (it knows -5 and -0.5, not -1e-3 or -.5e-1).
-_NEGATIVE_NUMBER = re.compile(r"^-(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
-                              r"|\.?inf(?:inity)?)$", re.IGNORECASE)
-_SHIELD = "\0"  # put before such a value so argparse reads it as a value; taken off after
+# ---------------------------------------------------------------------------
+# the command line: click reads it into a namespace, main() runs the command outside
+# click, so that Ctrl-C, SIGTERM and a closed pipe end it as below (not "Aborted!")
 
 
-class ArgvError(ValueError):
-    """A command line argparse would misread (e.g. -p KEY followed by an option)."""
+class _Path(click.ParamType):
+    """A path with ``~`` expanded, as the shell would unquoted (a quoted ``"~/runs"``
+    would otherwise make a folder named ``~``); a path to read is never empty: ``lab runs
+    "$DIR"`` with DIR unset would list the working directory without a word."""
+
+    name = "path"
+
+    def convert(self, value, param, ctx):
+        if not value and isinstance(param, click.Argument):  # (" " may be a directory)
+            self.fail(f"an empty path ({value!r}); give a path (is a shell variable "
+                      "unset?); . is the working directory", param, ctx)
+        return os.path.expanduser(value)
 
 
-def _is_param_flag(token: str) -> bool:
-    return token == "-p" or (len(token) >= 3 and "--param".startswith(token))
-
-
-def shield_values(argv: list[str]) -> list[str]:
-    """``argv`` with each ``-p KEY VALUE`` whose VALUE starts with "-" made safe for
-    argparse: a number (``-1e-3``, ``-.5e-1``, ``-inf``) is shielded, so it stays the
-    value; anything else after ``-p KEY`` that starts with "-" is an option where the
-    value should be, an ArgvError that says so."""
-    out = list(argv)
-    if not out or out[0] not in ("train", "run"):  # the commands that take -p
-        return out
-    i = 1
-    while i < len(out):
-        token = out[i]
-        if token == "--":
-            break
-        if not _is_param_flag(token) or i + 2 >= len(out):
-            i += 1
-            continue
-        key, value = out[i + 1], out[i + 2]
+def _pairs(ctx, param, pairs):
+    """``-p KEY VALUE``: click takes the two words after -p as they are, so a negative
+    number is a value (``-p lr -1e-3``); an option there (``-p x --force``) is a
+    forgotten value, refused rather than taken as the text."""
+    for key, value in pairs:
         if value.startswith("-") and value != "-":
-            if not _NEGATIVE_NUMBER.match(value):
-                raise ArgvError(
-                    f"{token} {key} has no value: next comes {value!r}, which is read as an "
+            number = parse_value(value, key)
+            if isinstance(number, bool) or not isinstance(number, int | float):
+                raise ConfigError(
+                    f"-p {key} has no value: next comes {value!r}, which is read as an "
                     "option; give -p KEY VALUE (a text value that starts with '-' can be "
-                    f"written with a space before it: {token} {key} ' {value}')")
-            out[i + 2] = _SHIELD + value
-        i += 3
-    return out
+                    f"written with a space before it: -p {key} ' {value}')")
+    return [list(pair) for pair in pairs]
 
 
-def _unshield(args) -> None:
-    if getattr(args, "param", None):
-        args.param = [[key, value.removeprefix(_SHIELD)] for key, value in args.param]
+def _workers(ctx, param, text):
+    try:
+        value = None if text is None else int(text)
+    except ValueError:
+        value = 0
+    if value is not None and value < 1:
+        raise click.UsageError(f"--workers {text!r}: give a whole number >= 1 (local Dask "
+                               "worker processes)")
+    return value
 
 
-def _user_path(text: str) -> str:
-    """A path argument with ``~`` expanded, as the shell would unquoted (a quoted
-    ``"~/runs"`` would otherwise make a folder literally named ``~``)."""
-    return os.path.expanduser(text)
-
-
-def _given_path(text: str) -> str:
-    """A path to read (a notebook, a protocol, runs to list), never empty: ``lab runs
-    "$DIR"`` with DIR unset would list the working directory without saying so. (A blank
-    --out is refused by the run-directory checks, with the same advice.)"""
-    if not text:  # (" " may be a directory's name: it is looked up like any other)
-        raise argparse.ArgumentTypeError(
-            f"an empty path ({text!r}); give a path (is a shell variable unset?); . is the "
-            "working directory")
-    return _user_path(text)
-
-
-def _params_args(parser) -> None:
-    parser.add_argument("-p", "--param", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="a parameter (value parsed as YAML; a dotted key sets one key "
-                             "inside a dict parameter); repeatable")
-    parser.add_argument("-f", "--file", action="append", type=_user_path,
-                        help="YAML file of parameters; repeatable, a later file and then -p "
-                             "win over an earlier one")
-    parser.add_argument("--force", action="store_true",
-                        help="replace a run already in --out (moved aside, never deleted)")
+_RUN_OPTIONS = [
+    click.Option(["--out"], required=True, type=_Path(), help="run directory"),
+    click.Option(["-p", "--param"], nargs=2, multiple=True, metavar="KEY VALUE",
+                 callback=_pairs, help="a parameter (value parsed as YAML; a dotted key sets "
+                 "one key inside a dict parameter); repeatable"),
+    click.Option(["-f", "--file"], multiple=True, type=_Path(), help="YAML file of "
+                 "parameters; repeatable, a later file and then -p win over an earlier one"),
+    click.Option(["--force"], is_flag=True,
+                 help="replace a run already in --out (moved aside, never deleted)")]
+_SWEEP_OPTIONS = [
+    click.Option(["--scheduler"], help="Dask scheduler address (default: a LocalCluster)"),
+    click.Option(["--workers"], metavar="N", callback=_workers,
+                 help="local workers (default: the protocol's)"),
+    click.Option(["--force"], is_flag=True,
+                 help="replace runs finished with other parameters (moved aside)"),
+    click.Option(["-q", "--quiet"], is_flag=True, help="no progress bar")]
+_COMMANDS = {  # name -> (help, parameters); `lab NAME` runs _NAME(args)
+    "train": ("train one conv run in-process (ConvConfig's defaults: ResNet-20, 60 epochs; "
+              "notebook 01's are smaller)", _RUN_OPTIONS),
+    "run": ("execute a notebook with papermill into a run directory",
+            [click.Argument(["notebook"], type=_Path()), *_RUN_OPTIONS]),
+    "sweep": ("execute a protocol's unfinished runs on Dask (PROTOCOL: protocols/*.yaml)", [
+        click.Argument(["protocol"], type=_Path()),
+        *_SWEEP_OPTIONS]),
+    "select": ("run a selection protocol's sweep, choose on its validation metric and write "
+               "the chosen values to its select.into (docs/sweeps-and-protocols.md)", [
+        click.Argument(["protocol"], type=_Path()),
+        *_SWEEP_OPTIONS]),
+    "runs": ("table of runs with status and final metrics (TARGET: a directory of runs, a "
+             "record.json, or a protocol YAML)", [click.Argument(["target"], type=_Path())]),
+    "report": ("execute a protocol's analysis notebook to HTML", [
+        click.Argument(["protocol"], type=_Path()),
+        click.Option(["--notebook"], type=_Path(), help="analysis notebook (default: the "
+                     "protocol's report; another than the protocol's writes "
+                     "<protocol>.<notebook>.html)"),
+        click.Option(["--runs"], type=_Path(), help="runs directory (default: the "
+                     "protocol's out, whose runs must be what the protocol asks now; another "
+                     "directory is not checked for stale runs)"),
+        click.Option(["--out"], default="reports", type=_Path(),
+                     help="reports directory (default: reports/ in the current directory)"),
+        click.Option(["--mixed-code"], is_flag=True,
+                     help="report runs made by different versions of the notebook's code "
+                          "together (refused by default)")]),
+}
+_cli = click.Group("lab", help=__doc__.splitlines()[0].replace("``", ""),
+                   context_settings={"help_option_names": ["-h", "--help"]},
+                   commands=[click.Command(name, params=params, help=text,
+                                           callback=functools.partial(SimpleNamespace,
+                                                                      command=name))
+                             for name, (text, params) in _COMMANDS.items()])
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -791,49 +827,15 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lab", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train one conv run in-process (ConvConfig's "
-                           "defaults: ResNet-20, 60 epochs; notebook 01's are smaller)")
-    train.add_argument("--out", required=True, type=_user_path, help="run directory")
-    _params_args(train)
-    train.set_defaults(func=_train)
-    run = sub.add_parser("run", help="execute a notebook with papermill into a run directory")
-    run.add_argument("notebook", type=_given_path)
-    run.add_argument("--out", required=True, type=_user_path, help="run directory")
-    _params_args(run)
-    run.set_defaults(func=_run)
-    sweep = sub.add_parser("sweep", help="execute a protocol's unfinished runs on Dask")
-    sweep.add_argument("protocol", type=_given_path, help="protocols/*.yaml")
-    sweep.add_argument("--scheduler", help="Dask scheduler address (default: a LocalCluster)")
-    sweep.add_argument("--workers", type=_workers,
-                       help="local workers (default: the protocol's)")
-    sweep.add_argument("--force", action="store_true",
-                       help="replace runs finished with other parameters (moved aside)")
-    sweep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    sweep.set_defaults(func=_sweep)
-    runs = sub.add_parser("runs", help="table of runs with status and final metrics")
-    runs.add_argument("target", type=_given_path,
-                      help="a directory of runs, a record.json, or a protocol YAML")
-    runs.set_defaults(func=_runs)
-    report = sub.add_parser("report", help="execute a protocol's analysis notebook to HTML")
-    report.add_argument("protocol", type=_given_path)
-    report.add_argument("--notebook", type=_user_path,
-                        help="analysis notebook (default: the protocol's report; "
-                        "another than the protocol's writes <protocol>.<notebook>.html)")
-    report.add_argument("--runs", type=_user_path,
-                        help="runs directory (default: the protocol's out, whose "
-                        "runs must be what the protocol asks now; another directory is "
-                        "not checked for stale runs)")
-    report.add_argument("--out", default="reports", type=_user_path,
-                        help="reports directory (default: reports/ in the current directory)")
-    report.set_defaults(func=_report)
     try:
-        argv = shield_values(sys.argv[1:] if argv is None else argv)
-    except ArgvError as exc:
+        args = _cli.main(argv, prog_name="lab", standalone_mode=False)
+    except click.ClickException as exc:  # a usage error: click's message, exit 2
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
+    except ConfigError as exc:  # a -p with no value
         return _error(exc)
-    args = parser.parse_args(argv)
-    _unshield(args)
+    if not isinstance(args, SimpleNamespace):  # --help, printed
+        return args
     # A warning for the researcher (a split that cannot be honoured, a schedule shortened)
     # as one line, not Python's "file:line: UserWarning:" plus the source line.
     formatwarning = warnings.formatwarning
@@ -850,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        code = args.func(args)
+        code = globals()[f"_{args.command}"](args)  # (looked up now: tests replace one)
     except KeyboardInterrupt:
         # One the command does not handle itself (those around a run's or a report's
         # writes say what was kept), e.g. while it imports its modules.
@@ -867,6 +869,19 @@ def main(argv: list[str] | None = None) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 128 + signal.SIGTERM if terminated and code == 130 else code
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (the benchmarks' --rounds, --threads ...): an integer >= 1."""
+    import argparse  # (only the benchmarks' parsers use it)
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ from typing import Any
 
 import numpy as np
 import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml import YAMLError as _RuamelError
+from ruamel.yaml.constructor import SafeConstructor
+from ruamel.yaml.resolver import BaseResolver
 
 # Fields that change what is shown, never what is computed: they are left out of a
 # run's identity (resume and sweep comparisons), so toggling a progress bar
@@ -134,82 +138,89 @@ def dotted_parent(key: str, keys) -> str | None:
     return next((p for p in keys if key.startswith(p + ".")), None)
 
 
-class DuplicateKeyError(yaml.constructor.ConstructorError):
-    """A key given twice in one YAML mapping (PyYAML would keep the last silently)."""
+class YAMLError(yaml.YAMLError):
+    """Text that is not valid YAML, or a key given twice: ``problem`` says what,
+    ``line`` and ``column`` (from 1; None when unknown) where.
+
+    (A PyYAML error class while :mod:`lab.sweep` catches ``yaml.YAMLError``.)"""
+
+    def __init__(self, problem: str, line: int | None = None, column: int | None = None):
+        super().__init__(problem)
+        self.problem, self.line, self.column = problem, line, column
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's floats and booleans, refusing repeated keys.
+class DuplicateKeyError(YAMLError):
+    """A key given twice in one YAML mapping, or two merge keys (``<<``) in one."""
 
-    ``1e-3`` is a float, not a string (YAML 1.1, which PyYAML follows, wants ``1.0e-3``;
-    researchers write ``1e-3``); only true/false are booleans (YAML 1.1 also reads
-    yes/no/on/off, so ``-p augment off`` became False); a key given twice in one mapping
-    is an error naming both lines (PyYAML keeps the last one silently).
-    """
 
+# YAML 1.2's core schema, exactly, for every parameter file, protocol and -p value: only
+# true/false are booleans (not yes/no/on/off); ints are decimal (010 is ten), 0o octal
+# or 0x hex; floats take 1e-3 and .5; nothing is a date (2026-11-30 stays text, as JSON
+# holds it). ruamel's own 1.2 resolver would also read 1_000, 0b101 and dates, which
+# would change what a grid value reads back as, hence its run id.
+_SCALARS = [  # (tag, pattern, first characters)
+    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+              r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", "-+0123456789."),
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("merge", r"<<", "<"),
+    ("value", r"=", "="),  # no constructor: a bare "=" stays an error, as with PyYAML
+]
+
+
+class _Resolver(BaseResolver):
+    processing_version = (1, 2)  # what ruamel's scanner and number constructors ask
+
+    def __init__(self, version=None, loader=None):  # (the version is _SCALARS')
+        super().__init__(loader)
+
+
+for _tag, _pattern, _first in _SCALARS:
+    _Resolver.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}",
+                                    re.compile(f"^(?:{_pattern})$"), list(_first))
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_MERGE = object()  # the merge key's place among a mapping's keys
+
+
+class _Constructor(SafeConstructor):
     def construct_mapping(self, node, deep=False):
-        seen = {}
-        merges = []
+        # A key given twice names both lines (ruamel names one, and checks no mapping
+        # that holds a merge key); two `<<:` in one mapping are refused alike.
+        seen: dict = {}
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                # two `<<:` in one mapping: PyYAML lets the later win, silently
-                merges.append(key_node.start_mark.line + 1)
-                if len(merges) > 1:
-                    raise DuplicateKeyError(
-                        None, None, f"the merge key '<<' is given twice (lines {merges[0]} and "
-                        f"{merges[1]}); merge several mappings with one: <<: [*a, *b]",
-                        key_node.start_mark)
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
+            merge = key_node.tag == _MERGE_TAG
+            key = _MERGE if merge else self.construct_object(key_node, deep=True)
+            line, column = key_node.start_mark.line + 1, key_node.start_mark.column + 1
             try:
                 first = seen.get(key)
-            except TypeError:  # an unhashable key: PyYAML's own error follows
+            except TypeError:  # (ruamel would make a list key a tuple)
+                raise YAMLError("found unhashable key", line, column) from None
+            if first is None:
+                seen[key] = line
                 continue
-            if first is not None:
-                where = f"line {line}" if first == line else f"lines {first} and {line}"
-                raise DuplicateKeyError(
-                    None, None, f"key {key!r} is given twice ({where}); give each key once",
-                    key_node.start_mark)
-            seen[key] = line
+            where = f"line {line}" if first == line else f"lines {first} and {line}"
+            raise DuplicateKeyError(
+                f"the merge key '<<' is given twice ({where}); merge several mappings with "
+                "one: <<: [*a, *b]" if merge else
+                f"key {key!r} is given twice ({where}); give each key once", line, column)
         return super().construct_mapping(node, deep=deep)
 
 
-# YAML 1.2's core schema for plain scalars, in place of PyYAML's YAML 1.1 resolvers:
-# only true/false are booleans; ints are decimal (010 is ten, not eight), 0o octal or 0x
-# hex, with no underscores or base-60 (1:30 stays a string); floats take 1e-3; nothing
-# is read as a date (2026-11-30 stays a string, as JSON can hold it).
-_BOOL, _INT, _FLOAT = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
-                       "tag:yaml.org,2002:float")
-_REPLACED = (_BOOL, _INT, _FLOAT, "tag:yaml.org,2002:timestamp")
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-                              list("-+0123456789"))
-_Loader.add_implicit_resolver(
-    _FLOAT,
-    re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
-                  |[-+]?\.(?:inf|Inf|INF)
-                  |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def _construct_int(loader, node):
-    text = loader.construct_scalar(node)
-    if text.startswith(("0o", "0x")):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text, 10)
-
-
-_Loader.add_constructor(_INT, _construct_int)
-
 
 def load_yaml(text: str):
-    """Parse a parameter or protocol file (YAML, with 1e-3 read as a float)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    """Parse a parameter or protocol file, or a -p value (YAML 1.2's core schema);
+    a YAMLError (a DuplicateKeyError for a key given twice) says what and where."""
+    loader = YAML(typ="safe", pure=True)
+    loader.Resolver, loader.Constructor = _Resolver, _Constructor
+    try:
+        return loader.load(text)
+    except _RuamelError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        raise YAMLError(problem, *((mark.line + 1, mark.column + 1) if mark else ())) from None
 
 
 def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) -> dict:
@@ -229,11 +240,9 @@ def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) ->
         raise error(f"{what} {path} cannot be read as text ({err}); expected {expected}") from None
     try:
         loaded = load_yaml(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise error(f"{what} {path} is not valid YAML{where} ({problem}); "
+    except YAMLError as err:
+        where = f" at line {err.line}, column {err.column}" if err.line else ""
+        raise error(f"{what} {path} is not valid YAML{where} ({err.problem}); "
                     f"expected {expected}") from None
     if loaded is None:
         return {}

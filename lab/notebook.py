@@ -27,6 +27,8 @@ int, float, str or bool (:func:`check_own_types`). The run directory
 is then decided from its record.json: a finished run of the same resolved
 config is left alone, one of another config is refused unless replaced (moved
 aside, never deleted), and a directory another process holds is skipped. The
+notebook's code is part of a run's identity (:class:`CodeIdentity`, the record's
+``code``): a run made with other code is refused the same way. The
 executing process holds the run's lock (``lab.runlock``) and the kernel dies
 with it (Linux: ``PR_SET_PDEATHSIG``), so no orphaned kernel writes into a run
 that a restarted sweep has started again. A failing cell leaves the run
@@ -46,6 +48,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import os
@@ -248,14 +251,86 @@ def config_class(notebook, nb=None) -> type | None:
     return cls
 
 
+# ---------------------------------------------------------------------------
+# a notebook's code as part of a run's identity
+
+CODE_KEY = "code"  # the record field: {"sha256": <hex>, "cells": [<16 hex a code cell>]}
+# Cells whose source is not the notebook's code: its parameters (compared as parameters)
+# and the ones papermill inserts into an executed copy.
+_NOT_CODE = ("parameters", "injected-parameters", "papermill-error-cell-tag")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class CodeIdentity:
+    """A notebook's code cells as a run's identity: the parameters cell aside, outputs
+    and metadata ignored, and each cell's source normalised (trailing whitespace of every
+    line and blank lines dropped; indentation and spacing inside a line count, as Python
+    reads them), so a whitespace-only edit is the same code.
+
+    ``cells``: (position counted from 1 among every cell of the notebook, first line,
+    digest) of each non-empty code cell, for naming the cell that changed.
+    """
+
+    sha256: str
+    cells: tuple[tuple[int, str, str], ...]
+    name: str = "the notebook"  # its file's name, in messages
+
+    @classmethod
+    def of(cls, nb, name: str = "the notebook") -> CodeIdentity:
+        cells, texts = [], []
+        for position, cell in enumerate(nb.cells, 1):
+            if cell.cell_type != "code" or set(cell.metadata.get("tags", [])) & set(_NOT_CODE):
+                continue
+            lines = [line.rstrip() for line in cell.source.splitlines()]
+            text = "\n".join(line for line in lines if line)
+            if text:
+                texts.append(text)
+                cells.append((position, text.split("\n", 1)[0].strip(), _digest(text)[:16]))
+        return cls(_digest("\n\0\n".join(texts)), tuple(cells), name)
+
+    def as_record(self) -> dict:
+        return {"sha256": self.sha256, "cells": [digest for _, _, digest in self.cells]}
+
+    def changed_since(self, record: Mapping) -> str | None:
+        """What changed in the notebook's code since ``record`` was made with it, or None
+        when it is the same code or the record does not tell (a record from before the
+        code was recorded: "code unknown", never called stale for that alone)."""
+        then = record.get(CODE_KEY)
+        if not isinstance(then, Mapping) or not isinstance(then.get("sha256"), str) \
+                or then["sha256"] == self.sha256:
+            return None
+        old = set(then.get("cells") or [])
+        changed = [f"cell {position} (`{first[:60]}`)" for position, first, digest
+                   in self.cells if digest not in old]
+        if changed:
+            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more"
+                                              if len(changed) > 3 else "")
+            return (f"{self.name}'s code changed since: {shown}, counting every cell from 1, "
+                    f"{'is' if len(changed) == 1 else 'are'} not the code the run was made with")
+        gone = len(old - {digest for _, _, digest in self.cells}) or "a"
+        return f"{self.name}'s code changed since: {gone} code cell(s) of the run's were removed " \
+               "or reordered"
+
+
+def code_identity(notebook) -> CodeIdentity:
+    """The :class:`CodeIdentity` of the notebook at ``notebook``."""
+    return CodeIdentity.of(_read(notebook), Path(notebook).name)
+
+
 @dataclass(frozen=True)
 class NotebookSpec:
-    """What a notebook accepts: its declared parameters, their defaults, its config class."""
+    """What a notebook accepts: its declared parameters, their defaults, its config class,
+    and its code's identity."""
 
     path: Path
     declared: dict
     defaults: dict
     config_class: type | None
+    code: CodeIdentity | None = None
 
 
 def notebook_spec(notebook, *, with_class: bool = True) -> NotebookSpec:
@@ -264,7 +339,8 @@ def notebook_spec(notebook, *, with_class: bool = True) -> NotebookSpec:
     nb = _read(notebook)  # a clear error for a missing or broken file first
     declared = declared_parameters(notebook)
     cls = config_class(notebook, nb) if with_class else None
-    return NotebookSpec(Path(notebook), declared, _literal_defaults(declared), cls)
+    return NotebookSpec(Path(notebook), declared, _literal_defaults(declared), cls,
+                        CodeIdentity.of(nb, Path(notebook).name))
 
 
 # How a notebook's own parameter is type-checked: a float accepts an int (1 for 1.0), and
@@ -394,6 +470,7 @@ class Resolved:
     # trainer's record keeps them under "notebook_params": part of what the run was asked.
     extras: dict = field(default_factory=dict)
     kind: str | None = None  # the record kind its config class's trainer writes, if known
+    code: CodeIdentity | None = None  # the notebook's code (None: not compared)
 
     def asked(self) -> dict:
         """Config and the notebook's own parameters: what ``records.run_params`` reads back."""
@@ -442,7 +519,7 @@ def resolve_parameters(notebook, params: Mapping | None = None,
     check_own_types(notebook, {k: v for k, v in given.items() if k not in fields},
                     spec.declared, spec.defaults)
     if cls is None:
-        return Resolved(given, _as_stored(merged), full=False)
+        return Resolved(given, _as_stored(merged), full=False, code=spec.code)
     dotted = [key for key in params if "." in key]
 
     def context(message: str) -> str:
@@ -465,7 +542,7 @@ def resolve_parameters(notebook, params: Mapping | None = None,
         raise ParameterError(f"{cls.__name__}: {err}{context(str(err))}") from None
     extras = {k: v for k, v in merged.items() if k not in fields}
     return Resolved(given, _as_stored(as_dict(config)), full=True, extras=_as_stored(extras),
-                    kind=trainer_kind(cls))
+                    kind=trainer_kind(cls), code=spec.code)
 
 
 _ABSENT = object()
@@ -871,16 +948,19 @@ def _existing_created(run_dir: Path) -> str | None:
         return None
 
 
-def mark_failed(run_dir, run_id: str, config: Mapping, error: str) -> dict:
+def mark_failed(run_dir, run_id: str, config: Mapping, error: str,
+                code: CodeIdentity | None = None) -> dict:
     """Set the run's record to ``failed`` with ``error``, keeping what it holds
     (``created`` included); a run that failed before writing a record (or whose
-    record is unreadable) gets a minimal one with ``config``. The caller holds
-    the run's lock."""
+    record is unreadable) gets a minimal one with ``config`` (and ``code``, the
+    notebook's). The caller holds the run's lock."""
     run_dir = Path(run_dir)
     try:
         record = records.load_record(run_dir, rows=False)  # the rows stay as they are
     except records.RecordError:
         record = records.new_record(run_id=run_id, kind=records.NOTEBOOK_KIND, config=dict(config))
+    if code is not None and CODE_KEY not in record:
+        record[CODE_KEY] = code.as_record()
     record.update(status="failed", error=error)
     records.save_run(run_dir, record)
     return record
@@ -899,8 +979,9 @@ def _trainers(out: Path) -> bool:
 
 
 def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: str | None,
-                   started: float) -> tuple[str, str | None]:
-    """Bring record.json in line with how the notebook ended; returns (status, error)."""
+                   started: float, code: CodeIdentity | None = None) -> tuple[str, str | None]:
+    """Bring record.json in line with how the notebook ended, the notebook's ``code``
+    included; returns (status, error)."""
     path = out / records.RECORD_FILE
     if error is not None:
         if error.split(":", 1)[0] in REFUSALS and path.exists() \
@@ -908,7 +989,7 @@ def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: st
             # The trainer refused to start (a foreign or damaged checkpoint): it touched
             # nothing, and an interrupted run stays resumable once the cause is removed.
             return "failed", error
-        mark_failed(out, run_id, config, error)
+        mark_failed(out, run_id, config, error, code)
         return "failed", error
     if not path.exists() or (path.stat().st_mtime < started and not _trainers(out)):
         # A notebook that trains nothing still leaves a record (replacing one
@@ -920,6 +1001,8 @@ def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: st
         created = _existing_created(out)
         record = records.new_record(run_id=run_id, kind=records.NOTEBOOK_KIND, config=config)
         record.update(status="complete", final=_metric_values(values))
+        if code is not None:
+            record[CODE_KEY] = code.as_record()
         if created:
             record["created"] = created
         records.save_run(out, record)
@@ -930,9 +1013,16 @@ def _settle_record(out: Path, run_id: str, config: dict, values: dict, error: st
         error = f"the notebook ran but left an unreadable record: {err}"
     else:
         if record["status"] != "running":
+            if code is not None and record.get(CODE_KEY) != code.as_record():
+                # A trainer's record written by a lab that does not pass the code to it, or
+                # resumed from one: the code that just ran it is recorded (decide refused
+                # any other code before the kernel started).
+                bare = records.load_record(out, rows=False)
+                bare[CODE_KEY] = code.as_record()
+                records.write_record(out, bare)
             return record["status"], record.get("error")
         error = "the notebook finished but its record is still 'running'"
-    mark_failed(out, run_id, config, error)
+    mark_failed(out, run_id, config, error, code)
     return "failed", error
 
 
@@ -972,12 +1062,13 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
     failed run of the same config), "done" (finished with the same config) or
     "replace" (move the old run aside first). RunLocked / RunConflict otherwise.
     ``maker`` names what would make the run, in the refusal of another kind's run."""
-    state = runlock.inspect(out, locked=locked)
+    state = run_state(out, locked=locked)
     if state.status == "running":
         raise runlock.RunLocked(out, state.pid)
     if state.status == "missing":
         return "execute", state
     never = diffs = False
+    how = ""  # what else may be done with a stale run
     if state.status == "unreadable":
         reason, problem = "unreadable", f"a run whose record cannot be read ({state.error})"
     elif (there := records.another_trainers(state.record, resolved.kind)) \
@@ -995,6 +1086,17 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         reason, problem = "stale", (f"{status} run{' (it never trained a step)' if never else ''}"
                                     f" with other parameters ({'; '.join(diffs)})"
                                     if diffs else None)
+        code = resolved.code.changed_since(state.record) \
+            if resolved.code is not None and not diffs else None
+        if code:
+            # Other code is another run, as other parameters are; resuming would mix two
+            # versions of the code in one run.
+            diffs = [code]
+            resume = "" if state.status in runlock.FINISHED or never else \
+                "; resuming it would mix two versions of the code in one run"
+            problem = (f"{status} run{' (it never trained a step)' if never else ''} made with "
+                       f"other code ({code}){resume}")
+            how = ", or restore the notebook's code as the run had it"
         if problem is None and not never:
             # Same parameters, but a data file it read has changed since: a finished run's
             # results are not those of these parameters any more, and an interrupted one
@@ -1015,7 +1117,8 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
             raise RunConflict(
                 f"{out} already holds {problem}; nothing was changed. To run these parameters, "
                 "use another run directory (another `out` for a sweep), or --force to replace "
-                f"the old run (it is moved aside to {out.name}.old-<time>, not deleted)", reason)
+                f"the old run (it is moved aside to {out.name}.old-<time>, not deleted){how}",
+                reason)
         return "replace", state
     if replace == "always":
         return "replace", state
@@ -1024,6 +1127,22 @@ def decide(out: Path, resolved: Resolved, replace: str, *, locked: bool = False,
         # done (its checkpoint says so, so nothing retrains), but the notebook is not.
         return "execute", state
     return ("done" if state.status in runlock.FINISHED else "execute"), state
+
+
+def run_state(out, *, locked: bool = False) -> runlock.RunState:
+    """:func:`lab.runlock.inspect` with the record read and checked by ``lab.records``:
+    a record whose fields or row store are damaged is "unreadable" (a finished run whose
+    store lost a part must not pass as done; ``--force`` replaces it)."""
+    state = runlock.inspect(out, locked=locked)
+    if state.record is None:
+        return state
+    try:
+        record = records.load_record(out, rows=False)  # status and config only
+        if state.status in runlock.FINISHED:
+            records.check_stored_rows(out)
+    except (records.RecordError, OSError) as err:
+        return runlock.RunState("unreadable", error=str(err))
+    return dataclasses.replace(state, record=record)
 
 
 def _notebook_finished(out: Path) -> bool:
@@ -1097,8 +1216,10 @@ def execute(notebook, out_dir, params: Mapping | None = None, *, run_id: str | N
         decision, state = decide(out, resolved, "never", locked=True)
         if decision == "done":
             return _skipped(run_id, out, state)
+        code = resolved.code.as_record() if resolved.code is not None else None
         env = {**(env or {}), runlock.ENV: str(out),  # the trainer's hold() is then a no-op
-               runlock.PARAMS_ENV: json.dumps(resolved.extras) if resolved.extras else None}
+               runlock.PARAMS_ENV: json.dumps(resolved.extras) if resolved.extras else None,
+               runlock.CODE_ENV: json.dumps(code) if code else None}
         result = _execute(notebook, out, injected, resolved, run_id, threads, env, moved,
                           timeout, log_output, record=True, lock=lock)
     return result
@@ -1148,7 +1269,8 @@ def _execute(notebook: Path, out: Path, injected: dict, resolved: Resolved, run_
     status = "failed" if error else "complete"
     if record:
         try:
-            status, error = _settle_record(out, run_id, resolved.config, values, error, started)
+            status, error = _settle_record(out, run_id, resolved.config, values, error, started,
+                                           resolved.code)
         except OSError as err:
             status, error = "failed", _also(error, "the run's record could not be written", err)
     meta = {"run_id": run_id, "source": str(notebook.resolve()), "params": injected,

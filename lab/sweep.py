@@ -40,8 +40,9 @@ dotted key inside a grid key's dicts.
 :func:`run_sweep` decides each run from its record.json, the single source of
 a run's status (:func:`lab.notebook.decide`): a run finished with the
 protocol's resolved config (defaults filled in, display-only fields aside) is
-kept; one finished with another config is reported ``stale`` with each
-differing field (``--force`` moves it aside and runs it afresh); a run another
+kept; one finished with another config, or with other notebook code (a code cell
+edited: the record's ``code``), is reported ``stale`` with each difference
+(``--force`` moves it aside and runs it afresh); a run another
 process holds (``lab.runlock``) is reported ``locked`` and left alone; the
 rest are executed with :func:`lab.notebook.execute`, one Dask task per run,
 and an interrupted run resumes from its checkpoint. Each task decides again
@@ -135,6 +136,11 @@ class Protocol:
     # grid key -> {grid value -> {parameter: value}}: settings that belong to one
     # grid value (e.g. a rule's own learning rate), applied over `fixed`.
     overrides: dict = dataclasses.field(default_factory=dict)
+    # Fragments (YAML files with `fixed` and/or `overrides`) merged in at load: what a
+    # selection protocol chose (`lab select`, analysis.select). Absolute once loaded.
+    include: list = dataclasses.field(default_factory=list)
+    # A selection protocol's choice (analysis.select reads it; a sweep ignores it).
+    select: dict = dataclasses.field(default_factory=dict)
     source: str = ""  # the YAML file it came from
 
     def __post_init__(self):
@@ -566,13 +572,75 @@ def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Prot
     that exists where the runs were made): for listing runs made elsewhere.
     """
     path = Path(path).resolve()
-    protocol = _build(_read_yaml(path), path)
+    protocol = _build(_included(_read_yaml(path), path), path)
     spec = _check_notebook(protocol, configs)
     _check_report(protocol)
     expand(protocol)  # duplicate run ids are a protocol error, found now
     if configs:
         _check_runs(protocol, spec, preflight)
     return protocol
+
+
+INCLUDABLE = ("fixed", "overrides")
+
+
+def _included(data: dict, path: Path) -> dict:
+    """``data`` with each ``include`` fragment's ``fixed`` and ``overrides`` merged in (an
+    override for a grid value this protocol does not run is left out); a parameter set
+    both in the protocol and in a fragment (or in two fragments) is refused, so what a
+    selection chose never silently loses to, or beats, a hand-written value."""
+    names = data.get("include") or []
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ProtocolError(f"protocol {path}: include={data.get('include')!r}; give a file "
+                            "name or a list of them (relative to the protocol file)")
+    merged = {key: dict(data.get(key) or {}) for key in INCLUDABLE}
+    owner: dict[tuple, str] = {}
+    for key in merged["fixed"]:
+        owner["fixed", key] = str(path)
+    for grid_key, table in merged["overrides"].items():
+        for value, params in (table or {}).items() if isinstance(table, dict) else ():
+            for name in params or {} if isinstance(params, dict) else ():
+                owner["overrides", grid_key, value, name] = str(path)
+    files = []
+    for name in names:
+        file = (path.parent / Path(name).expanduser()).resolve()
+        if not file.is_file():
+            raise ProtocolError(
+                f"protocol {path}: include {name!r} ({file}) does not exist; an included "
+                "fragment is what `lab select` writes from a selection protocol (its "
+                "select.into): run that first, or remove the include")
+        fragment = read_yaml_mapping(file, "included fragment", ProtocolError,
+                                     "a YAML mapping with fixed and/or overrides")
+        odd = sorted(set(fragment) - set(INCLUDABLE))
+        if odd:
+            raise ProtocolError(f"included fragment {file}: key(s) {', '.join(odd)} cannot be "
+                                f"included; a fragment holds {' and/or '.join(INCLUDABLE)}")
+        places = [(("fixed", k), v, merged["fixed"], k)
+                  for k, v in (fragment.get("fixed") or {}).items()]
+        grid = data.get("grid") if isinstance(data.get("grid"), dict) else {}
+        for grid_key, table in (fragment.get("overrides") or {}).items():
+            # One fragment serves several protocols: entries for grid values this
+            # protocol does not run are not for it.
+            here = {_identity(v) for v in grid.get(grid_key) or []}
+            for value, params in (table or {}).items():
+                if _identity(value) not in here:
+                    continue
+                target = merged["overrides"].setdefault(grid_key, {}).setdefault(value, {})
+                places += [(("overrides", grid_key, value, k), v, target, k)
+                           for k, v in (params or {}).items()]
+        for where, value, target, key in places:
+            if where in owner:
+                raise ProtocolError(
+                    f"protocol {path}: {'.'.join(map(str, where))} is set both in "
+                    f"{owner[where]} and in the included fragment {file}; keep it in one "
+                    "place (a chosen value belongs to the fragment)")
+            owner[where] = str(file)
+            target[key] = value
+        files.append(str(file))
+    if not names:
+        return data
+    return {**data, **{k: v for k, v in merged.items() if v or k in data}, "include": files}
 
 
 # One file name is at most 255 bytes (ext4, XFS, APFS...); `--force` renames a run to
@@ -735,10 +803,13 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
 MISPLACED = "its record's run_id is"
 
 
-def stale_runs(protocol: Protocol) -> dict[str, str]:
+def stale_runs(protocol: Protocol, *, mixed_code: bool = False) -> dict[str, str]:
     """run_id -> why, for each recorded run of ``protocol`` that is not what the protocol
     asks now: its whole resolved config (the notebook's defaults included, as a sweep
-    resolves it) differs, or a data file it read has changed since.
+    resolves it) differs, the notebook's code changed since (unless ``mixed_code``: the
+    caller takes runs of other code versions knowingly), or a data file it read has
+    changed since. A record from before the code was recorded is "code unknown": not
+    stale for that alone.
 
     What ``lab runs PROTOCOL`` and ``lab report`` check (it needs the notebook's config
     class, hence torch); the analysis library's own check (:func:`mark_stale`) is the
@@ -773,6 +844,8 @@ def stale_runs(protocol: Protocol) -> dict[str, str]:
         # Compared as a sweep's lab.notebook.decide compares (the notebook's own
         # parameters included).
         why = asked_differences(record, resolved)
+        code = None if mixed_code else nb.code.changed_since(record)
+        why += [code] if code else []
         why += changed_files(record.get("data"), resolved.config.get("data_dir"))
         if why:
             stale[spec.run_id] = "; ".join(why)

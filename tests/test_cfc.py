@@ -3,6 +3,7 @@ autograd (gradcheck) and, when installed, ncps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,15 +131,21 @@ def test_handwritten_backward_matches_autograd(impl, mode):
     assert torch.autograd.gradcheck(run, (xin, h0, *params), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("spans", ["per-example", 0.7, None])  # the last two: folded gate
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_fast_paths_equal_the_loop_in_value_and_gradient(activation):
+def test_fast_paths_equal_the_loop_in_value_and_gradient(activation, mode, spans):
     torch.manual_seed(5)
-    models = {impl: CfC(3, 5, backbone_units=6, activation=activation, impl=impl).double()
+    buckets = ((2, 1.0, 1.0), (3, 2.0, 9.0))
+    models = {impl: CfC(3, 5, backbone_units=6, activation=activation, mode=mode, impl=impl,
+                        buckets=buckets).double()
               for impl in ("loop", *FAST)}
+    _perturb_pure(models["loop"].cell)
     for model in models.values():
         model.load_state_dict(models["loop"].state_dict())
     x = torch.randn(4, 6, 3, dtype=torch.float64)
-    spans = torch.rand(4, 6, dtype=torch.float64) + 0.5
+    if spans == "per-example":
+        spans = torch.rand(4, 6, dtype=torch.float64) + 0.5
     target = torch.randn(4, 6, 5, dtype=torch.float64)
     results = {}
     for impl, model in models.items():
@@ -154,6 +161,62 @@ def test_fast_paths_equal_the_loop_in_value_and_gradient(activation):
         torch.testing.assert_close(gx, gx0, rtol=1e-9, atol=1e-12)
         for a, b in zip(gp, gp0):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", FAST)
+@pytest.mark.parametrize("mode", ["default", "no_gate"])
+def test_folded_gate_backward_matches_autograd(impl, mode):
+    """gradcheck of the sequence Function with the gate folded into one head (3H wide)."""
+    torch.manual_seed(9)
+    T, B, U, H = 4, 3, 5, 4
+    cell = CfCCell(2, H, mode=mode, backbone_units=U, buckets=((2, 1.0, 1.0), (2, 3.0, 9.0)))
+    cell = cell.double()
+    xin = torch.randn(T, B, U, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    w_h, w_heads, b_heads = cfc._params(cell)
+    w3, b3 = cfc.fold_gate(w_heads.detach(), b_heads.detach(), 0.8 * cell.rate)
+    assert w3.shape == (3 * H, U)
+    params = [p.detach().clone().requires_grad_() for p in (w_h, w3, b3)]
+    unused = torch.ones(1, 1, 1, dtype=torch.float64)
+
+    def run(xin, h0, *params):
+        return cfc._CfCSequence.apply(xin, h0, unused, mode, cell.activation, impl, *params)
+
+    assert torch.autograd.gradcheck(run, (xin, h0, *params), eps=1e-6, atol=1e-7)
+
+
+def test_fold_gate_is_the_gate_of_the_unfolded_heads():
+    torch.manual_seed(10)
+    H, U = 3, 4
+    w, b = torch.randn(4 * H, U, dtype=torch.float64), torch.randn(4 * H, dtype=torch.float64)
+    r = torch.rand(H, dtype=torch.float64) + 0.1
+    a = torch.randn(5, U, dtype=torch.float64)
+    heads = a @ w.t() + b
+    w3, b3 = cfc.fold_gate(w, b, r)
+    folded = a @ w3.t() + b3
+    assert torch.equal(w3[:2 * H], w[:2 * H]) and torch.equal(b3[:2 * H], b[:2 * H])
+    torch.testing.assert_close(folded[:, :2 * H], heads[:, :2 * H], rtol=0, atol=1e-13)
+    expected = heads[:, 2 * H:3 * H] * r + heads[:, 3 * H:]
+    torch.testing.assert_close(folded[:, 2 * H:], expected, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype,ulps", [(np.float64, 4), (np.float32, 1)])
+def test_vectorised_exp_is_exp_to_a_few_ulp(dtype, ulps):
+    x = np.concatenate([np.linspace(-80, 80, 8001), [0.0, 1e-30, -1e-30]]).astype(dtype)
+    got = x.copy()
+    cfc._exp_inplace(got, np.empty(len(x)), np.empty(len(x), np.int64))
+    ref = np.exp(x.astype(np.float64))
+    rel = np.abs(got - ref) / ref
+    assert rel.max() <= ulps * np.finfo(dtype).eps
+    assert got[8001] == 1.0
+
+
+def test_vectorised_exp_saturates_beyond_its_range():
+    x = np.array([-745.0, -2000.0, 710.0, 5000.0])
+    got = x.copy()
+    cfc._exp_inplace(got, np.empty(4), np.empty(4, np.int64))
+    assert np.all(got[:2] < 1e-300) and np.all(got[:2] > 0)  # exp(-708): 0 to the equations
+    assert np.all(np.isfinite(got[2:])) and np.all(got[2:] > 1e307)  # tanh, sigmoid saturate
 
 
 def test_float32_numba_path_is_close_to_the_loop():

@@ -554,11 +554,11 @@ def test_yaml_booleans_are_true_and_false_only():
 
 
 def test_a_key_given_twice_in_a_file_is_refused(tmp_path, capsys, no_kernel):
-    from lab.config import load_yaml
+    from lab.config import YAMLError, load_yaml
 
-    with pytest.raises(yaml.YAMLError, match=r"key 'a' is given twice \(line 1\)"):
+    with pytest.raises(YAMLError, match=r"key 'a' is given twice \(line 1\)"):
         load_yaml("{a: 1, a: 2}")
-    with pytest.raises(yaml.YAMLError, match=r"key 'lr' is given twice \(lines 2 and 3\)"):
+    with pytest.raises(YAMLError, match=r"key 'lr' is given twice \(lines 2 and 3\)"):
         load_yaml("fixed:\n  lr: 1\n  lr: 2\n")
     assert load_yaml("a: {x: 1}\nb: {x: 2}") == {"a": {"x": 1}, "b": {"x": 2}}
     (tmp_path / "dup.yaml").write_text("epochs: 2\nepochs: 3\n")
@@ -1123,7 +1123,7 @@ def captured(monkeypatch):
 def test_a_negative_number_is_a_p_value(tmp_path, capsys, captured, text, value):
     assert cli_main(["run", str(ECHO), "--out", str(tmp_path / "r"), "-p", "x", text,
                      "--param", "fail_on", text]) == 2
-    assert "captured" in capsys.readouterr().err  # argparse let it through
+    assert "captured" in capsys.readouterr().err  # the command line let it through
     assert captured == {"x": value, "fail_on": value}
     assert type(captured["x"]) is type(value)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import typing
 
 import numpy as np
 import pytest
 
-from lab.config import ConfigError, as_dict, from_dict
+from lab.config import ConfigError, DuplicateKeyError, YAMLError, as_dict, from_dict, load_yaml
 from lab.train import ConvConfig
 
 HINTS = typing.get_type_hints(ConvConfig)
@@ -296,3 +297,64 @@ def test_a_count_beyond_int64_is_refused(kwargs, field):
             "9223372036854775807]")):
         ConvConfig(**kwargs)
     assert ConvConfig(width=2**63 - 1).width == 2**63 - 1  # the limit itself is a config
+
+
+# ---------------------------------------------------------------------------
+# YAML: parameter files, protocols and -p values read YAML 1.2's core schema
+
+
+@pytest.mark.parametrize("text, value", [
+    # ruamel's own 1.2 resolver reads these four as numbers or a date; the core schema not
+    ("1_000", "1_000"), ("0b101", "0b101"), ("2026-11-30", "2026-11-30"), ("12:30", "12:30"),
+    ("-0x1F", "-0x1F"), ("-0o17", "-0o17"), ("0x1F", 31), ("0o17", 15), ("010", 10),
+    ("+5", 5), (".5", 0.5), ("-.5e-1", -0.05), (".5e1", 5.0), ("1.", 1.0), ("1e3", 1000.0),
+    ("-.inf", -math.inf), ("+.INF", math.inf), ("-inf", "-inf"), ("yes", "yes"), ("Off", "Off"),
+    ("TRUE", True), ("False", False), ("tRUE", "tRUE"), ("~", None), ("NULL", None),
+    ("nULL", "nULL"), ("'1'", "1"),
+])
+def test_yaml_scalars_follow_the_core_schema(text, value):
+    got = load_yaml(f"a: {text}")["a"]
+    assert type(got) is type(value) and got == value
+    assert load_yaml(f"[{text}]") == [value] and load_yaml(f"{{{text}: x}}") == {value: "x"}
+
+
+def test_yaml_nan_and_a_bare_equals_sign():
+    assert math.isnan(load_yaml("a: .NaN")["a"])
+    with pytest.raises(YAMLError, match=r"could not determine a constructor") as err:
+        load_yaml("a: =")  # PyYAML's reading, kept: a grid value "=" keeps its run id
+    assert (err.value.line, err.value.column) == (1, 4)
+
+
+def test_yaml_merge_keys():
+    text = ("a: &a {lr: 1, m: 2}\nb: &b {lr: 3, z: 4}\n"
+            "one: {<<: *a, lr: 9}\nlist: {<<: [*a, *b], z: 0}\n")
+    loaded = load_yaml(text)
+    assert loaded["one"] == {"lr": 9, "m": 2}  # a key of its own wins over a merged one
+    assert loaded["list"] == {"lr": 1, "m": 2, "z": 0}  # the earlier mapping wins (spec)
+    # ruamel checks no mapping holding a merge key for keys given twice; this loader does
+    with pytest.raises(DuplicateKeyError, match=re.escape(
+            "key 'k' is given twice (lines 3 and 4); give each key once")) as err:
+        load_yaml("a: &a {lr: 1}\nb: {<<: *a,\n    k: 1,\n  k: 2}")
+    assert (err.value.line, err.value.column) == (4, 3)
+    with pytest.raises(DuplicateKeyError, match=re.escape(
+            "the merge key '<<' is given twice (line 1); merge several mappings with one")):
+        load_yaml("a: {<<: {b: 1}, <<: {c: 2}}")
+
+
+def test_yaml_keys_given_twice_or_unhashable():
+    for text, problem, line, column in [
+            ("b: 1\na: 1\na: 2", "key 'a' is given twice (lines 2 and 3)", 3, 1),
+            ("{1: a, 1.0: b}", "key 1.0 is given twice (line 1)", 1, 8),
+            ("{[1, 2]: x}", "found unhashable key", 1, 2)]:
+        with pytest.raises(YAMLError) as err:
+            load_yaml(text)
+        assert err.value.problem.startswith(problem) and \
+            (err.value.line, err.value.column) == (line, column), err.value.problem
+
+
+def test_yaml_syntax_errors_name_the_place():
+    with pytest.raises(YAMLError) as err:
+        load_yaml("epochs: 2\nlr: [0.1\nseed: 1\n")
+    assert (err.value.problem, err.value.line, err.value.column) == (
+        "expected ',' or ']', but got ':'", 3, 5)
+    assert load_yaml("") is None and load_yaml("# only a comment") is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -88,3 +89,106 @@ def test_the_fragment_reads_back_as_yaml():
     text = yaml.safe_dump(fragment(result, _spec()))
     assert yaml.safe_load(text) == {"overrides": {"rule": {"bp": {"lr": 1.0},
                                                            "fa": {"lr": 1.0}}}}
+
+
+def _train_protocol(path):
+    """Train every run of a protocol in-process, as its notebook would (no kernels)."""
+    from lab.config import field_names, from_dict
+    from lab.notebook import notebook_defaults
+    from lab.sweep import expand, load_protocol
+    from lab.train import ConvConfig, train_conv
+
+    protocol = load_protocol(path)
+    defaults = notebook_defaults(protocol.notebook)
+    for spec in expand(protocol):
+        params = {**defaults, **spec.params}
+        config = from_dict(ConvConfig, {k: params[k] for k in field_names(ConvConfig)})
+        train_conv(config, Path(protocol.out) / spec.run_id, run_id=spec.run_id)
+    return protocol
+
+
+def test_select_then_include_end_to_end(tmp_path):
+    """A selection protocol's runs are scored on validation, the fragment it writes is what a
+    final protocol trains with, and editing it by hand is refused where it clashes."""
+    from analysis.select import select
+    from lab.records import load_record
+    from lab.sweep import expand, load_protocol
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "select.yaml").write_text(f"""
+name: sel
+notebook: {notebook}
+out: runs-select
+fixed: {{n_train: 256, depth: 8, width: 4, epochs: 2, batch_size: 64, val_fraction: 0.25,
+        eval_every: 1, schedule: constant, progress: false}}
+grid:
+  rule: [bp, dfa]
+  lr: [0.001, 0.3]
+  seed: [0, 1]
+select: {{choose: lr, per: rule, metric: val_acc, goal: max, into: chosen/lr.yaml}}
+""")
+    _train_protocol(tmp_path / "select.yaml")
+    selection = select(tmp_path / "select.yaml")
+    # the oracle: each rule's best mean validation accuracy, read from the records directly
+    protocol = load_protocol(tmp_path / "select.yaml", configs=False)
+    scores = {}
+    for spec in expand(protocol):
+        record = load_record(Path(protocol.out) / spec.run_id)
+        key = (spec.grid["rule"], spec.grid["lr"])
+        scores.setdefault(key, []).append(record["final"]["val_acc"])
+    rates = [0.001, 0.3]  # a tie keeps the first listed
+    expected = {rule: max(rates, key=lambda lr: (sum(scores[rule, lr]) / 2, -rates.index(lr)))
+                for rule in ("bp", "dfa")}
+    chosen = selection.chosen.set_index("rule")["lr"].to_dict()
+    assert chosen == expected
+    path = selection.write()
+    assert path == tmp_path / "chosen" / "lr.yaml"
+    assert yaml.safe_load(path.read_text()) == {"overrides": {"rule": {
+        rule: {"lr": lr} for rule, lr in chosen.items()}}}
+
+    (tmp_path / "final.yaml").write_text(f"""
+name: final
+notebook: {notebook}
+out: runs-final
+include: chosen/lr.yaml
+fixed: {{n_train: 256, depth: 8, width: 4, epochs: 2, batch_size: 64, val_fraction: 0.0,
+        eval_every: 0, schedule: constant, progress: false}}
+grid:
+  rule: [bp, dfa]
+  seed: [0]
+""")
+    final = load_protocol(tmp_path / "final.yaml")
+    assert {s.grid["rule"]: s.params["lr"] for s in expand(final)} == chosen
+    text = (tmp_path / "final.yaml").read_text()
+    (tmp_path / "final.yaml").write_text(text + "overrides: {rule: {bp: {lr: 0.1}}}\n")
+    with pytest.raises(ValueError, match=r"overrides.rule.bp.lr is set both in .*final.yaml"):
+        load_protocol(tmp_path / "final.yaml", configs=False)
+
+
+def test_selection_refuses_missing_runs(tmp_path):
+    from analysis.completeness import IncompleteProtocolError
+    from analysis.select import select
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "s.yaml").write_text(f"""
+name: s
+notebook: {notebook}
+out: runs
+fixed: {{n_train: 256, eval_every: 1, val_fraction: 0.25}}
+grid: {{lr: [0.01, 0.1], seed: [0]}}
+select: {{choose: [lr], metric: val_acc, into: x.yaml}}
+""")
+    with pytest.raises(IncompleteProtocolError,
+                       match=r"(?s)every run of s finished.*2 of 2 runs missing"):
+        select(tmp_path / "s.yaml")
+
+
+def test_lab_select_refuses_a_protocol_without_select_before_any_run(tmp_path, capsys):
+    from lab.cli import main
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "p.yaml").write_text(f"name: p\nnotebook: {notebook}\nout: runs\n"
+                                     "grid: {seed: [0]}\n")
+    assert main(["select", str(tmp_path / "p.yaml")]) != 0
+    assert "has no select section" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -24,9 +24,12 @@ state, so it is computed for every step at once, outside the time loop, and the 
 one fused product. The sequence then runs in one of three implementations, same maths:
 ``loop`` (per-step torch autograd: the reference), ``function`` (one autograd Function with a
 hand-written backward through time, torch ops) and ``numba`` (the same Function with each
-direction's whole time loop compiled by numba: element-wise work fused, the per-step products
-on BLAS). ``auto`` picks ``numba`` on CPU, ``function`` elsewhere. The hand-written backward is
-checked against autograd with gradcheck (tests/test_cfc.py).
+direction's whole time loop compiled by numba: element-wise work fused and vectorised, the
+per-step products on BLAS, each weight gradient one product over all steps). ``auto`` picks
+``numba`` on CPU, ``function`` elsewhere. With one span for every example and step (no
+``timespans``, or a number) the fast paths fold the gate's two heads into one
+(:func:`fold_gate`). The hand-written backward is checked against autograd with gradcheck, the
+fast paths against the step loop and ncps (tests/test_cfc.py).
 """
 
 from __future__ import annotations
@@ -280,16 +283,32 @@ def _params(cell: CfCCell):
 def cfc_sequence(cell: CfCCell, xin, h0, dt, impl: str) -> torch.Tensor:
     """All states (T, B, H) from the hoisted input products xin (T, B, U) and h0 (B, H)."""
     T, B, _ = xin.shape
-    if not torch.is_tensor(dt):
-        dt = xin.new_full((T, B, 1), dt)
-    rate_dt = (dt * cell.rate).contiguous()  # (T, B, H)
+    w_h, w_heads, b_heads, *pure = _params(cell)
+    if not torch.is_tensor(dt) and cell.mode != "pure":
+        # One span for every example and step: the gate's input t_a * r + t_b is then one
+        # linear head, weights W_a * r + W_b (r per unit), so the heads are 3H wide, not 4H.
+        w_heads, b_heads = fold_gate(w_heads, b_heads, dt * cell.rate)
+        rate_dt = xin.new_ones(1, 1, 1)  # unused by the folded heads
+    else:
+        if not torch.is_tensor(dt):
+            dt = xin.new_full((T, B, 1), dt)
+        rate_dt = (dt * cell.rate).contiguous()  # (T, B, H)
     return _CfCSequence.apply(xin.contiguous(), h0.contiguous(), rate_dt,
-                              cell.mode, cell.activation, impl, *_params(cell))
+                              cell.mode, cell.activation, impl, w_h, w_heads, b_heads, *pure)
+
+
+def fold_gate(w_heads, b_heads, r):
+    """ff1 | ff2 | time_a | time_b heads -> ff1 | ff2 | gate, gate = time_a * r + time_b."""
+    ff, t_a, t_b = w_heads.tensor_split((2 * len(r), 3 * len(r)))
+    bf, bt_a, bt_b = b_heads.tensor_split((2 * len(r), 3 * len(r)))
+    return torch.cat([ff, t_a * r[:, None] + t_b]), torch.cat([bf, bt_a * r + bt_b])
 
 
 class _CfCSequence(torch.autograd.Function):
     """States of a one-layer-backbone CfC; backward through time written out.
 
+    Heads: ff1 (pure) or ff1 | ff2 | time_a | time_b with the spans in ``rate_dt`` (T, B, H),
+    or ff1 | ff2 | gate already folded (:func:`fold_gate`; ``rate_dt`` then unused).
     Saved per step: the state entering it, the backbone pre-activation z and activation a,
     and the head outputs needed by the backward (f1, f2, s; ff1 and the decay in pure mode).
     Weight gradients are one product over all steps, after the reverse loop.
@@ -310,13 +329,9 @@ class _CfCSequence(torch.autograd.Function):
         hs, z, a, g, rate_dt, w_h, w_heads, *pure = ctx.saved_tensors
         run = _backward_numba if impl == "numba" else _backward_torch
         with torch.no_grad():
-            dz, dheads, dh0, dpure = run(grad_out.contiguous(), hs, z, a, g, rate_dt, mode,
-                                         activation, w_h, w_heads, *pure)
-            U, H = w_h.shape
-            # One product over every step (and example) for each weight.
-            d_w_h = dz.reshape(-1, U).t() @ hs[:-1].reshape(-1, H)
-            d_w_heads = dheads.reshape(-1, dheads.shape[-1]).t() @ a.reshape(-1, U)
-            d_b_heads = dheads.sum((0, 1))
+            dz, dh0, d_w_h, d_w_heads, d_b_heads, dpure = run(
+                grad_out.contiguous(), hs, z, a, g, rate_dt, mode, activation, w_h, w_heads,
+                *pure)
         return (dz, dh0, None, None, None, None, d_w_h, d_w_heads, d_b_heads, *dpure)
 
 
@@ -345,9 +360,13 @@ def _forward_torch(xin, h0, rate_dt, mode, activation, w_h, w_heads, b_heads, *p
             g[t, :, :H], g[t, :, H:2 * H] = heads, decay
             hs[t + 1] = A - A * decay * heads
             continue
-        ff1, ff2, t_a, t_b = heads.chunk(4, dim=-1)
+        if heads.shape[-1] == 3 * H:  # folded gate
+            ff1, ff2, gate = heads.chunk(3, dim=-1)
+        else:
+            ff1, ff2, t_a, t_b = heads.chunk(4, dim=-1)
+            gate = t_a * rate_dt[t] + t_b
         f1, f2 = torch.tanh(ff1), torch.tanh(ff2)
-        s = torch.sigmoid(t_a * rate_dt[t] + t_b)
+        s = torch.sigmoid(gate)
         g[t, :, :H], g[t, :, H:2 * H], g[t, :, 2 * H:] = f1, f2, s
         hs[t + 1] = f1 + s * f2 if mode == "no_gate" else f1 + s * (f2 - f1)
     return hs, z, a, g
@@ -359,6 +378,7 @@ def _backward_torch(grad_out, hs, z, a, g, rate_dt, mode, activation, w_h, w_hea
     dheads = z.new_empty(T, B, w_heads.shape[0])
     dh = torch.zeros_like(hs[0])
     dpure = [torch.zeros_like(p) for p in pure]
+    folded = w_heads.shape[0] == 3 * H
     for t in reversed(range(T)):
         dh = dh + grad_out[t]
         if mode == "pure":
@@ -376,11 +396,16 @@ def _backward_torch(grad_out, hs, z, a, g, rate_dt, mode, activation, w_h, w_hea
             else:
                 d_f1, d_f2, d_s = dh * (1 - s), dh * s, dh * (f2 - f1)
             d_tb = d_s * s * (1 - s)
-            torch.cat([d_f1 * (1 - f1 * f1), d_f2 * (1 - f2 * f2), d_tb * rate_dt[t], d_tb],
+            d_gate = [d_tb] if folded else [d_tb * rate_dt[t], d_tb]
+            torch.cat([d_f1 * (1 - f1 * f1), d_f2 * (1 - f2 * f2), *d_gate],
                       dim=-1, out=dheads[t])
         dz[t] = (dheads[t] @ w_heads) * _activation_grad(z[t], a[t], activation)
         dh = dz[t] @ w_h
-    return dz, dheads, dh, dpure
+    U = w_h.shape[0]
+    # One product over every step (and example) for each weight.
+    d_w_h = dz.reshape(-1, U).t() @ hs[:-1].reshape(-1, H)
+    d_w_heads = dheads.reshape(-1, dheads.shape[-1]).t() @ a.reshape(-1, U)
+    return dz, dh, d_w_h, d_w_heads, dheads.sum((0, 1)), dpure
 
 
 # ---------------------------------------------------------------------------
@@ -404,41 +429,87 @@ def _njit(fn):
     return numba.njit(cache=True, fastmath=True, error_model="numpy")(fn) if _HAVE_NUMBA else fn
 
 
-@_njit
-def _tanh_nb(x):
-    # Through exp: libm's tanh is about 4x slower than exp on one core, and the forward's
-    # element-wise work is mostly tanh. Exact to rounding (exp overflow gives +-1).
-    e = math.exp(x + x)
-    return 1.0 - 2.0 / (e + 1.0)
+# exp(x) = 2^k e^r, x = k ln2 + r, |r| <= ln2 / 2: Cody and Waite's reduction (ln2 split in
+# two so k ln2 is exact), e^r by its Taylor series to r^13 (truncation < 1e-17 relative),
+# 2^k written into a float64's exponent bits. Written out so the loop compiles to vector
+# instructions (numba's math.exp is one scalar call per element); to a few ulp in float64.
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_EXP_MAX = 708.0  # 2^k stays a normal float64; saturates what would over/underflow anyway
+_C = tuple(1.0 / math.factorial(i) for i in range(14))
+
+
+def _njit_exact(fn):
+    # fastmath without reassociation, which would undo the split of ln2 (13 ulp at |x| = 80)
+    return numba.njit(cache=True, fastmath={"contract"}, error_model="numpy")(fn) \
+        if _HAVE_NUMBA else fn
+
+
+@_njit_exact
+def _exp_inplace(x, p, bits):
+    """x <- exp(x) over a 1-D array; p (float64) and bits (int64) are scratch, len >= x's."""
+    n = x.shape[0]
+    for i in range(n):
+        v = min(max(np.float64(x[i]), -_EXP_MAX), _EXP_MAX)
+        k = np.floor(v * _LOG2E + 0.5)
+        r = (v - k * _LN2_HI) - k * _LN2_LO
+        q = _C[13]
+        for c in range(12, -1, -1):
+            q = q * r + _C[c]
+        p[i] = q
+        bits[i] = (np.int64(k) + 1023) << 52
+    scale = bits[:n].view(np.float64)
+    for i in range(n):
+        x[i] = p[i] * scale[i]
 
 
 @_njit
-def _act_nb(z, code):
-    if code == 0:
-        return _LECUN_SCALE * _tanh_nb(_LECUN_SLOPE * z)
-    if code == 1:
-        return _tanh_nb(z)
+def _act_block(z, out, code, p, bits):
+    """out <- activation(z), 1-D; tanh as 1 - 2 / (exp(2x) + 1), silu's sigmoid likewise."""
+    n = z.shape[0]
     if code == 2:
-        return z if z > 0 else 0.0 * z
-    if code == 3:
-        return z / (1.0 + math.exp(-z))
-    return 0.5 * z * (1.0 + math.erf(z / math.sqrt(2.0)))
+        for i in range(n):
+            out[i] = z[i] if z[i] > 0 else 0.0 * z[i]
+        return
+    if code == 4:
+        for i in range(n):
+            out[i] = 0.5 * z[i] * (1.0 + math.erf(z[i] / math.sqrt(2.0)))
+        return
+    k = 2.0 * _LECUN_SLOPE if code == 0 else (2.0 if code == 1 else -1.0)
+    for i in range(n):
+        out[i] = k * z[i]
+    _exp_inplace(out, p, bits)
+    for i in range(n):
+        if code == 0:
+            out[i] = _LECUN_SCALE * (1.0 - 2.0 / (out[i] + 1.0))
+        elif code == 1:
+            out[i] = 1.0 - 2.0 / (out[i] + 1.0)
+        else:
+            out[i] = z[i] / (1.0 + out[i])
 
 
 @_njit
-def _act_grad_nb(z, a, code):
+def _act_grad_block(z, a, da, out, code):
+    """out <- da * activation'(z), 1-D, from z and a = activation(z)."""
+    n = z.shape[0]
     if code == 0:
-        t = a / _LECUN_SCALE
-        return _LECUN_SCALE * _LECUN_SLOPE * (1.0 - t * t)
-    if code == 1:
-        return 1.0 - a * a
-    if code == 2:
-        return 1.0 if z > 0 else 0.0
-    if code == 3:
-        s = 1.0 / (1.0 + math.exp(-z))
-        return s * (1.0 + z * (1.0 - s))
-    return (0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
-            + z * math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi))
+        for i in range(n):
+            t = a[i] / _LECUN_SCALE
+            out[i] = da[i] * (_LECUN_SCALE * _LECUN_SLOPE) * (1.0 - t * t)
+    elif code == 1:
+        for i in range(n):
+            out[i] = da[i] * (1.0 - a[i] * a[i])
+    elif code == 2:
+        for i in range(n):
+            out[i] = da[i] if z[i] > 0 else 0.0 * da[i]
+    elif code == 3:
+        for i in range(n):
+            s = 1.0 / (1.0 + math.exp(-z[i]))
+            out[i] = da[i] * s * (1.0 + z[i] * (1.0 - s))
+    else:
+        for i in range(n):
+            out[i] = da[i] * (0.5 * (1.0 + math.erf(z[i] / math.sqrt(2.0)))
+                              + z[i] * math.exp(-0.5 * z[i] * z[i]) / math.sqrt(2.0 * math.pi))
 
 
 @_njit
@@ -446,71 +517,104 @@ def _forward_nb(xin, h0, rate_dt, mode, act, w_h_t, w_heads_t, b_heads, w_tau, A
                 hs, z, a, g):
     T, B, U = xin.shape
     H = h0.shape[1]
+    folded = w_heads_t.shape[1] == 3 * H
+    keep = 0.0 if mode == 1 else 1.0  # default: h = f1 + s (f2 - f1); no_gate: f1 + s f2
+    n = B * max(U, 3 * H)
+    p, bits = np.empty(n), np.empty(n, np.int64)  # scratch of _exp_inplace
+    e = np.empty((B, 3 * H), xin.dtype)  # the exponentials' arguments, then their values
+    flat = e.reshape(B * 3 * H)
     hs[0] = h0
     for t in range(T):
-        zt = np.dot(hs[t], w_h_t)  # (B, U)
-        for b in range(B):
-            for u in range(U):
-                v = zt[b, u] + xin[t, b, u]
-                z[t, b, u] = v
-                a[t, b, u] = _act_nb(v, act)
-        heads = np.dot(a[t], w_heads_t)  # (B, 4H) or (B, H)
-        for b in range(B):
-            for j in range(H):
-                r = rate_dt[t, b, j]
-                if mode == 2:
-                    ff1 = heads[b, j] + b_heads[j]
-                    decay = math.exp(-r * (abs(w_tau[0, j]) + abs(ff1)))
+        zt = z[t]
+        zt[:] = np.dot(hs[t], w_h_t)  # (B, U)
+        zt += xin[t]
+        _act_block(zt.reshape(B * U), a[t].reshape(B * U), act, p, bits)
+        heads = np.dot(a[t], w_heads_t)  # (B, 4H), (B, 3H) folded, or (B, H)
+        heads += b_heads
+        if mode == 2:  # the decay exp(-r (|w_tau| + |ff1|)), (B, H) in the first B * H
+            for b in range(B):
+                for j in range(H):
+                    flat[b * H + j] = -rate_dt[t, b, j] * (abs(w_tau[0, j]) + abs(heads[b, j]))
+            _exp_inplace(flat[:B * H], p, bits)
+            for b in range(B):
+                for j in range(H):
+                    ff1, decay = heads[b, j], flat[b * H + j]
                     g[t, b, j] = ff1
                     g[t, b, H + j] = decay
                     hs[t + 1, b, j] = A[0, j] - A[0, j] * decay * ff1
-                    continue
-                f1 = _tanh_nb(heads[b, j] + b_heads[j])
-                f2 = _tanh_nb(heads[b, H + j] + b_heads[H + j])
-                x = (heads[b, 2 * H + j] + b_heads[2 * H + j]) * r + heads[b, 3 * H + j] \
-                    + b_heads[3 * H + j]
-                s = 1.0 / (1.0 + math.exp(-x))
-                g[t, b, j] = f1
-                g[t, b, H + j] = f2
-                g[t, b, 2 * H + j] = s
-                hs[t + 1, b, j] = f1 + s * f2 if mode == 1 else f1 + s * (f2 - f1)
+            continue
+        # tanh(x) = 1 - 2 / (exp(2x) + 1), sigmoid(x) = 1 / (1 + exp(-x))
+        for b in range(B):
+            for j in range(2 * H):
+                e[b, j] = 2.0 * heads[b, j]
+        if folded:
+            for b in range(B):
+                for j in range(H):
+                    e[b, 2 * H + j] = -heads[b, 2 * H + j]
+        else:
+            for b in range(B):
+                for j in range(H):
+                    e[b, 2 * H + j] = -(heads[b, 2 * H + j] * rate_dt[t, b, j]
+                                        + heads[b, 3 * H + j])
+        _exp_inplace(flat, p, bits)
+        # One store per loop over a row: few enough pointers for the vectoriser's checks.
+        for b in range(B):
+            eb, gb, hb = e[b], g[t, b], hs[t + 1, b]
+            for j in range(2 * H):  # f1 | f2
+                gb[j] = 1.0 - 2.0 / (eb[j] + 1.0)
+            for j in range(2 * H, 3 * H):  # s
+                gb[j] = 1.0 / (1.0 + eb[j])
+            for j in range(H):
+                hb[j] = gb[j] + gb[2 * H + j] * (gb[H + j] - keep * gb[j])
 
 
 @_njit
 def _backward_nb(grad_out, hs, z, a, g, rate_dt, mode, act, w_h, w_heads, w_tau, A,
-                 dz, dheads, dh, dpure):
+                 dz, dheads, dh, dpure, d_w_h, d_w_heads, d_b_heads):
     T, B, H = grad_out.shape
     U = z.shape[2]
+    folded = w_heads.shape[0] == 3 * H
+    keep = 0.0 if mode == 1 else 1.0  # as in the forward
     for t in range(T - 1, -1, -1):
-        for b in range(B):
-            for j in range(H):
-                d = dh[b, j] + grad_out[t, b, j]
-                r = rate_dt[t, b, j]
-                if mode == 2:
+        dh += grad_out[t]  # d loss / d h_t: from this step's output and from step t + 1
+        if mode == 2:
+            for b in range(B):
+                for j in range(H):
+                    d, r = dh[b, j], rate_dt[t, b, j]
                     ff1 = g[t, b, j]
                     decay = g[t, b, H + j]
                     dheads[t, b, j] = -d * A[0, j] * decay * (1.0 - r * abs(ff1))
                     sgn = 1.0 if w_tau[0, j] > 0 else (-1.0 if w_tau[0, j] < 0 else 0.0)
                     dpure[0, j] += d * A[0, j] * ff1 * decay * r * sgn
                     dpure[1, j] += d * (1.0 - decay * ff1)
-                    continue
-                f1 = g[t, b, j]
-                f2 = g[t, b, H + j]
-                s = g[t, b, 2 * H + j]
-                if mode == 1:
-                    d_f1, d_s = d, d * f2
-                else:
-                    d_f1, d_s = d * (1.0 - s), d * (f2 - f1)
-                d_tb = d_s * s * (1.0 - s)
-                dheads[t, b, j] = d_f1 * (1.0 - f1 * f1)
-                dheads[t, b, H + j] = d * s * (1.0 - f2 * f2)
-                dheads[t, b, 2 * H + j] = d_tb * r
-                dheads[t, b, 3 * H + j] = d_tb
+        else:
+            for b in range(B):  # one store per loop, as in the forward
+                d, gb, db = dh[b], g[t, b], dheads[t, b]  # gb: f1 | f2 | s
+                for j in range(H):
+                    db[j] = d[j] * (1.0 - keep * gb[2 * H + j]) * (1.0 - gb[j] * gb[j])
+                for j in range(H):
+                    db[H + j] = d[j] * gb[2 * H + j] * (1.0 - gb[H + j] * gb[H + j])
+                for j in range(H):
+                    s = gb[2 * H + j]
+                    db[2 * H + j] = d[j] * (gb[H + j] - keep * gb[j]) * s * (1.0 - s)
+            if not folded:  # the gate's input is time_a * r + time_b
+                for b in range(B):
+                    for j in range(H):
+                        d_gate = dheads[t, b, 2 * H + j]
+                        dheads[t, b, 2 * H + j] = d_gate * rate_dt[t, b, j]
+                        dheads[t, b, 3 * H + j] = d_gate
         da = np.dot(dheads[t], w_heads)  # (B, U)
-        for b in range(B):
-            for u in range(U):
-                dz[t, b, u] = da[b, u] * _act_grad_nb(z[t, b, u], a[t, b, u], act)
+        _act_grad_block(z[t].reshape(B * U), a[t].reshape(B * U), da.reshape(B * U),
+                        dz[t].reshape(B * U), act)
         dh[:] = np.dot(dz[t], w_h)  # (B, H): into the previous step
+    # One product over every step (and example) for each weight.
+    dz2 = dz.reshape(T * B, U)
+    dheads2 = dheads.reshape(T * B, dheads.shape[2])
+    d_w_h[:] = np.dot(dz2.T, hs[:T].reshape(T * B, H))
+    d_w_heads[:] = np.dot(dheads2.T, a.reshape(T * B, U))
+    d_b_heads[:] = 0.0
+    for i in range(T * B):
+        d_b_heads += dheads2[i]
 
 
 _BLAS = []  # the process's BLAS thread pools, found once numba's BLAS is loaded
@@ -554,7 +658,7 @@ def _forward_numba(xin, h0, rate_dt, mode, activation, w_h, w_heads, b_heads, *p
     g = xin.new_empty(T, B, 3 * H)
     w_tau, A = _pure_args(pure, xin)
     with _one_blas_thread():
-            _forward_nb(_np(xin), _np(h0), _np(rate_dt), _MODE_CODE[mode], _ACT_CODE[activation],
+        _forward_nb(_np(xin), _np(h0), _np(rate_dt), _MODE_CODE[mode], _ACT_CODE[activation],
                     np.ascontiguousarray(_np(w_h).T), np.ascontiguousarray(_np(w_heads).T),
                     _np(b_heads), w_tau, A, hs.numpy(), z.numpy(), a.numpy(), g.numpy())
     return hs, z, a, g
@@ -566,13 +670,16 @@ def _backward_numba(grad_out, hs, z, a, g, rate_dt, mode, activation, w_h, w_hea
     dheads = z.new_empty(T, B, w_heads.shape[0])
     dh = hs.new_zeros(B, H)
     dpure = hs.new_zeros(2, H)
+    d_w_h, d_w_heads = torch.empty_like(w_h), torch.empty_like(w_heads)
+    d_b_heads = w_heads.new_empty(w_heads.shape[0])
     w_tau, A = _pure_args(pure, z)
     with _one_blas_thread():
         _backward_nb(_np(grad_out), _np(hs), _np(z), _np(a), _np(g), _np(rate_dt),
                      _MODE_CODE[mode], _ACT_CODE[activation], _np(w_h), _np(w_heads), w_tau, A,
-                     dz.numpy(), dheads.numpy(), dh.numpy(), dpure.numpy())
+                     dz.numpy(), dheads.numpy(), dh.numpy(), dpure.numpy(), d_w_h.numpy(),
+                     d_w_heads.numpy(), d_b_heads.numpy())
     grads = [dpure[0:1], dpure[1:2]] if pure else []
-    return dz, dheads, dh, grads
+    return dz, dh, d_w_h, d_w_heads, d_b_heads, grads
 
 
 # ---------------------------------------------------------------------------
