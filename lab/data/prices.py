@@ -33,7 +33,6 @@ equal prices is refused: its labels are all "down" and an accuracy on it says no
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +41,9 @@ import numpy as np
 import torch
 
 from . import DataError, sha256_bytes
+from .markets import MarketArrays, horizon_labels
 
-SOURCES = ("vega", "csv", "synthetic")
+SOURCES = ("vega", "csv", "synthetic", "arch")
 SYNTHETIC_KINDS = ("random_walk", "constant", "regimes")
 VEGA_SYMBOLS = ("all", "AAPL", "AMZN", "GOOG", "IBM", "MSFT")
 FULL_LENGTH = ("AAPL", "AMZN", "IBM", "MSFT")  # 2000-01 to 2010-03; GOOG starts in 2004-08
@@ -308,7 +308,7 @@ class MultiHorizonLoader:
     def _series(self, prices: np.ndarray, name: str):
         """sigma, features, long, short, direction of one series (rows past the last usable
         step, and features before `window`, are zeros and never used)."""
-        window, n, h_max = self.window, len(prices), self.horizons[-1]
+        window, n = self.window, len(prices)
         log_p = np.log(prices)
         returns = np.diff(log_p, prepend=log_p[0])  # (N,), r_0 = 0
         sigma = np.sqrt(np.cumsum(returns**2) / np.maximum(np.arange(n), 1))  # (N,)
@@ -321,16 +321,7 @@ class MultiHorizonLoader:
         windows = np.lib.stride_tricks.sliding_window_view(returns[1:], window)  # (N-w, w)
         features = np.zeros((n, window))
         features[window:] = windows / sigma[window:, None]
-        long = np.zeros((n, len(self.horizons)))
-        short = np.zeros((n, len(self.horizons)))
-        t = np.arange(n - h_max)
-        for i, h in enumerate(self.horizons):
-            ahead = np.stack([log_p[t + k] for k in range(1, h + 1)]) - log_p[t]  # (h, T)
-            scale = sigma[t] * math.sqrt(h)
-            long[t, i] = ahead.max(0) / scale
-            short[t, i] = (-ahead).max(0) / scale
-        direction = np.zeros(n)
-        direction[t] = (log_p[t + self.main_horizon] > log_p[t]).astype(np.float64)
+        long, short, direction = horizon_labels(log_p, sigma, self.horizons, self.main_horizon)
         return sigma, features, long, short, direction
 
     def batch(self, ends: torch.Tensor) -> Batch:
@@ -346,3 +337,41 @@ class MultiHorizonLoader:
 
     def validation(self) -> Batch:
         return self.batch(self.val_ends)
+
+
+class MarketLoader(MultiHorizonLoader):
+    """A daily market table (``lab.data.markets``) as the trainer's loader: the same batches,
+    with several feature channels per day and a test split after validation.
+
+    Time indices are the table's rows (one series).
+    """
+
+    def __init__(self, table, *, window: int = 1, seq_len: int = 20, horizons=(1, 5, 20),
+                 main_horizon: int = 5, val_fraction: float = 0.2, test_fraction: float = 0.2,
+                 scale_window: int = 250, name: str = "market series"):
+        self.horizons = check_horizons(horizons, main_horizon)
+        if window < 1 or seq_len < 1:
+            raise DataError(f"window={window} and seq_len={seq_len} must both be >= 1")
+        arrays = MarketArrays(table, window=window, seq_len=seq_len, horizons=self.horizons,
+                              main_horizon=main_horizon, val_fraction=val_fraction,
+                              test_fraction=test_fraction, scale_window=scale_window, name=name)
+        self.arrays, self.window, self.seq_len = arrays, window, seq_len
+        self.main_horizon, self.val_fraction = main_horizon, val_fraction
+        self.length, self.n_series, self.cut = len(arrays.log_p), 1, int(arrays.val_ends[0])
+        self.train_ends, self.val_ends, self.test_ends = (
+            torch.from_numpy(e).long() for e in (arrays.train_ends, arrays.val_ends,
+                                                 arrays.test_ends))
+        self.sigma = torch.from_numpy(arrays.sigma)
+        # (N, window * C): each day's input is its trailing `window` days' channels
+        days = np.arange(len(arrays.log_p))[:, None] + np.arange(1 - window, 1)
+        flat = arrays.features[np.clip(days, 0, None)].reshape(len(days), -1)
+        self.features = torch.from_numpy(np.nan_to_num(flat, nan=0.0)).float()
+        self.long = torch.from_numpy(arrays.long).float()
+        self.short = torch.from_numpy(arrays.short).float()
+        self.direction = torch.from_numpy(arrays.direction).float()
+
+    def split_sizes(self) -> dict:
+        return self.arrays.split_sizes()
+
+    def test(self) -> Batch:
+        return self.batch(self.test_ends)

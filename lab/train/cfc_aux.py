@@ -59,11 +59,13 @@ from ..config import (
 )
 from ..data import DataError
 from ..data.identity import absolute, read_unchanged
+from ..data.markets import ARCH_SERIES, arch_identity, arch_table
 from ..data.prices import (
     DEFAULT_SYMBOL,
     SOURCES,
     SYNTHETIC_KINDS,
     VEGA_SYMBOLS,
+    MarketLoader,
     MultiHorizonLoader,
     check_horizons,
     csv_prices,
@@ -113,6 +115,10 @@ class CfCAuxConfig:
     drift: float = bounded(0.001, -1.0, 1.0)  # per-step log-return drift
     volatility: float = bounded(0.01, 0.0)  # per-step log-return noise (random_walk, regimes)
     regime_length: int = bounded(100, 1)  # steps between drift sign flips (regimes)
+    series: str = choice("sp500", ARCH_SERIES)  # source "arch": the bundled daily series
+    # source "arch": the last share of days kept for one test evaluation after training
+    test_fraction: float = bounded(0.0, 0.0, 1.0, hi_open=True)
+    scale_window: int = bounded(250, 2)  # source "arch": trailing days of each feature scale
     # data: examples
     window: int = bounded(12, 1)  # trailing log returns per step's features
     seq_len: int = bounded(12, 1)  # steps per example sequence
@@ -176,6 +182,16 @@ class CfCAuxConfig:
             raise ConfigError(f"CfCAuxConfig.csv_path={self.csv_path!r} / column="
                               f"{self.column!r} are read only with source='csv' (source is "
                               f"{self.source!r}); leave them empty or set source='csv'")
+        if self.source != "arch" and (self.series != "sp500" or self.test_fraction
+                                      or self.scale_window != 250):
+            raise ConfigError(f"CfCAuxConfig.series={self.series!r}, test_fraction="
+                              f"{self.test_fraction!r} and scale_window={self.scale_window!r} "
+                              f"are read only with source='arch' (source is {self.source!r}); "
+                              "leave them at 'sp500', 0.0 and 250 or set source='arch'")
+        if self.source == "arch" and self.val_fraction + self.test_fraction >= 1:
+            raise ConfigError(f"CfCAuxConfig.val_fraction={self.val_fraction} + test_fraction="
+                              f"{self.test_fraction} leaves no training days; allowed: a sum "
+                              "below 1")
         if self.source != "vega" and self.symbol != DEFAULT_SYMBOL:
             # It would change nothing but the run's identity (a rerun with it refused).
             raise ConfigError(f"CfCAuxConfig.symbol={self.symbol!r} is read only with "
@@ -216,12 +232,33 @@ class CfCAuxConfig:
                               "not a file; expected a CSV file with a header row naming "
                               f"column={self.column!r}")
         try:
-            prices, name = load_prices(self)
-            MultiHorizonLoader(prices, window=self.window, seq_len=self.seq_len,
-                               horizons=self.horizons, main_horizon=self.main_horizon,
-                               val_fraction=self.val_fraction, name=name)
+            make_loader(self, *load_prices(self))
         except (DataError, OSError) as err:
             raise ConfigError(f"CfCAuxConfig: {err}") from None
+
+
+def make_loader(config: CfCAuxConfig, prices, name: str) -> MultiHorizonLoader:
+    """The loader of the configured source; for ``arch`` a split with fewer examples than
+    one batch is refused (a daily study has days to spare; fewer means a wrong fraction)."""
+    if config.source != "arch":
+        return MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
+                                  horizons=config.horizons, main_horizon=config.main_horizon,
+                                  val_fraction=config.val_fraction, name=name)
+    data = MarketLoader(prices, window=config.window, seq_len=config.seq_len,
+                        horizons=config.horizons, main_horizon=config.main_horizon,
+                        val_fraction=config.val_fraction, test_fraction=config.test_fraction,
+                        scale_window=config.scale_window, name=name)
+    sizes = data.split_sizes()
+    for split, key in (("training", "n_train"), ("validation", "n_val"), ("test", "n_test")):
+        if (key != "n_test" or config.test_fraction) and sizes[key] < config.batch_size:
+            fraction = {"n_train": "val_fraction + test_fraction", "n_val": "val_fraction",
+                        "n_test": "test_fraction"}[key]
+            raise DataError(f"{name}: the {split} split holds {sizes[key]} examples, fewer than "
+                            f"one batch (batch_size={config.batch_size}) with val_fraction="
+                            f"{config.val_fraction}, test_fraction={config.test_fraction}; "
+                            f"allowed: at least batch_size examples per split (change "
+                            f"{fraction} or batch_size)")
+    return data
 
 
 def load_prices(config: CfCAuxConfig):
@@ -230,6 +267,8 @@ def load_prices(config: CfCAuxConfig):
         return vega_prices(config.symbol), f"vega_datasets stocks {config.symbol}"
     if config.source == "csv":
         return csv_prices(config.csv_path, config.column), f"{config.csv_path}:{config.column}"
+    if config.source == "arch":
+        return arch_table(config.series), f"arch {config.series}"
     prices = synthetic_prices(config.synthetic, length=config.synthetic_length,
                               drift=config.drift, volatility=config.volatility,
                               regime_length=config.regime_length, seed=config.seed)
@@ -247,6 +286,8 @@ def data_identity(config: CfCAuxConfig, data: MultiHorizonLoader, csv: dict | No
         identity["csv"] = csv
     elif config.source == "vega":
         identity["vega"] = vega_identity(config.symbol)
+    elif config.source == "arch":
+        identity["arch"] = arch_identity(config.series)
     return identity
 
 
@@ -351,6 +392,30 @@ class AuxHealth:
         self.lift_step = state["lift_step"]
 
 
+class BestOnValidation:
+    """The encoder and main path at the evaluation with the lowest validation loss: the state
+    the test split is evaluated at (the step is chosen on validation, never on test)."""
+
+    def __init__(self):
+        self.step, self.loss, self.state = None, math.inf, None
+
+    def offer(self, run: Run, step: int, loss: float) -> None:
+        if math.isfinite(loss) and loss < self.loss:
+            self.step, self.loss = step, loss
+            self.state = {name: {k: v.detach().clone() for k, v in part.state_dict().items()}
+                          for name, part in (("encoder", run.encoder), ("main", run.main))}
+
+    def restore(self, run: Run) -> None:
+        run.encoder.load_state_dict(self.state["encoder"])
+        run.main.load_state_dict(self.state["main"])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "state": self.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.loss, self.state = state["step"], state["loss"], state["state"]
+
+
 @dataclass
 class Run:
     """The live objects of a CfC-aux run."""
@@ -366,6 +431,7 @@ class Run:
     health: AuxHealth
     generator: torch.Generator  # batch order
     csv: dict | None = None  # the CSV's identity, of the very bytes read (source "csv")
+    best: BestOnValidation | None = None  # with a test split: the step chosen on validation
 
     def parts(self) -> dict:
         """What a checkpoint restores."""
@@ -373,6 +439,8 @@ class Run:
                  "health": self.health, "generator": self.generator}
         if self.aux is not None:
             parts.update(aux=self.aux, opt_aux=self.opt_aux)
+        if self.best is not None:
+            parts["best"] = self.best
         return parts
 
 
@@ -383,9 +451,7 @@ def build_run(config: CfCAuxConfig) -> Run:
     # A CSV is hashed as it is read: the record names the prices the run trained on.
     csv, (prices, name) = (read_unchanged(config.csv_path, lambda: load_prices(config))
                            if config.source == "csv" else (None, load_prices(config)))
-    data = MultiHorizonLoader(prices, window=config.window, seq_len=config.seq_len,
-                              horizons=config.horizons, main_horizon=config.main_horizon,
-                              val_fraction=config.val_fraction, name=name)
+    data = make_loader(config, prices, name)
     n_train = data.split_sizes()["n_train"]
     if config.batch_size > n_train:
         # Batches are drawn with replacement, so this runs, but each batch repeats examples
@@ -397,7 +463,7 @@ def build_run(config: CfCAuxConfig) -> Run:
     for field in ("features", "long", "short", "direction"):
         setattr(data, field, getattr(data, field).to(device))
     with seeded(config.seed):
-        encoder = Encoder(config.window, config.enc_dim).to(device)
+        encoder = Encoder(data.features.shape[-1], config.enc_dim).to(device)
         main = MainPath(config).to(device)
         aux = AuxPath(config).to(device) if config.aux != "none" else None
     opt_main = torch.optim.Adam([*encoder.parameters(), *main.parameters()], lr=config.lr)
@@ -406,7 +472,8 @@ def build_run(config: CfCAuxConfig) -> Run:
     opt_aux = torch.optim.Adam(aux.parameters(), lr=config.aux_lr) if aux is not None else None
     return Run(config, device, data, encoder, main, aux, opt_main, opt_aux,
                AuxHealth(len(config.horizons), config.ema_decay),
-               torch.Generator().manual_seed(config.seed), csv)
+               torch.Generator().manual_seed(config.seed), csv,
+               BestOnValidation() if config.test_fraction else None)
 
 
 def forward_losses(run: Run, batch, lifted: bool) -> dict:
@@ -476,6 +543,22 @@ def evaluate(run: Run) -> dict:
 
 
 @torch.no_grad()
+def evaluate_test(run: Run) -> dict:
+    """The test split, once, after training: loss, accuracy, and per test day (in time order
+    from ``test_first_end``) the predicted probability of "up" and the label, so that an
+    analysis can bootstrap any metric over test days."""
+    batch = run.data.test()
+    logits = run.main(run.encoder(batch.x.to(run.device)))
+    loss = F.binary_cross_entropy_with_logits(logits, batch.direction)
+    hits = ((logits > 0).float() == batch.direction).float()
+    return {"test_loss": float(loss), "test_acc": _fraction(hits),
+            "test_up_fraction": _fraction(batch.direction),
+            "test_first_end": int(batch.ends[0]),
+            "test_prob": [round(p, 6) for p in torch.sigmoid(logits).tolist()],
+            "test_label": [int(v) for v in batch.direction.tolist()]}
+
+
+@torch.no_grad()
 def initial_loss(run: Run) -> float:
     """The main BCE on a validation-free draw before any update (the divergence scale)."""
     state = run.generator.get_state()
@@ -501,8 +584,13 @@ def expectation(config: CfCAuxConfig) -> Expectation:
     if config.eval_every:
         periodic = tuple((name, config.eval_every, config.eval_every - 1)
                          for name in ("val_loss", "val_acc"))
+    final = ("val_loss", "val_acc")
+    if config.test_fraction:
+        # (and the per-day test_prob / test_label lists, which analysis.markets checks: a
+        # runs table holds numbers only)
+        final += ("best_step", "test_loss", "test_acc")
     return Expectation(axis="step", count=config.steps, metrics=metrics, periodic=periodic,
-                       final=("val_loss", "val_acc"))
+                       final=final)
 
 
 @keeps_threads
@@ -539,15 +627,24 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
                                       or step + 1 == config.steps) \
                     and math.isfinite(row["train_loss"]):
                 row.update(evaluate(run))
+                if run.best is not None:
+                    run.best.offer(run, step, row["val_loss"])
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", lifted=row.get("lifted", 0))
             if not life.log(row):
                 break
         sync(run.device)
         final = {}
         if life.status == "running":
+            if run.best is not None:
+                # The test split is read once, at the step validation chose.
+                run.best.offer(run, config.steps - 1, evaluate(run)["val_loss"])
+                if run.best.state is not None:
+                    run.best.restore(run)
             final = {**evaluate(run),
                      "val_up_fraction": _fraction(run.data.validation().direction),
                      "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
+            if run.best is not None:
+                final.update(best_step=run.best.step, **evaluate_test(run))
         # The lifecycle adds train_wall_s: the whole run's, summed over its sessions.
         work = {"optimizer_steps": len(life.rows_logged),
                 "train_examples": len(life.rows_logged) * config.batch_size}
