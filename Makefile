@@ -34,7 +34,7 @@ install: $(STAMP)
 # MT-1 (kp_traffic), the EP transformer with its backprop twin, CfC with the
 # auxiliary path. Each full protocol is one `lab sweep` away (see README), the
 # backprop baseline at its full recipe too (`lab sweep protocols/demo.yaml`).
-DEMO_PROTOCOLS := rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick
+DEMO_PROTOCOLS := rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick cfc-markets-quick
 demo: $(STAMP)
 	for p in $(DEMO_PROTOCOLS); do \
 	  $(VENV)/bin/lab sweep protocols/$$p.yaml && \

@@ -93,6 +93,9 @@ def changed_files(data, data_dir: str | None = None) -> list[str]:
             if {"vega", "length", "sha256"} <= set(node):
                 changes.extend(_vega_changes(node))
                 return
+            if {"arch", "series", "rows", "sha256"} <= set(node):
+                changes.extend(_arch_changes(node))
+                return
             if {"path", "size", "sha256"} <= set(node):
                 path = Path(node["path"])
                 if not path.is_file():
@@ -141,3 +144,20 @@ def _vega_changes(node: dict) -> list[str]:
     if now["length"] != node["length"]:
         return [f"{where}: {node['length']} months then, {now['length']} now"]
     return [] if now["sha256"] == node["sha256"] else [f"{where}: other prices (sha256)"]
+
+
+def _arch_changes(node: dict) -> list[str]:
+    # A daily series bundled in the arch package (lab.data.markets.arch_identity): read it
+    # again; a new arch release may ship other data.
+    from lab.data import DataError
+    from lab.data.markets import arch_identity
+
+    where = f"arch's {node['series']} series (arch {node['arch']} then)"
+    try:
+        now = arch_identity(node["series"])
+    except (DataError, ImportError) as err:
+        return [f"{where}: cannot be read now ({err})"]
+    if now["rows"] != node["rows"]:
+        return [f"{where}: {node['rows']} days then, {now['rows']} now (arch {now['arch']})"]
+    return [] if now["sha256"] == node["sha256"] else [
+        f"{where}: other prices (sha256) in arch {now['arch']}"]
