@@ -179,8 +179,8 @@ def test_rerun_of_a_finished_run_missing_rows_is_refused_and_force_replaces_it(
     assert cli_main(args) == 2
     err = _one_paragraph(capsys.readouterr().err)
     assert "already holds a run whose record cannot be read" in err and "--force" in err
-    assert ("no part holds rows from 1 (1 parts in" if damage == "deleted"
-            else f"{part}: the row part holds ") in err
+    assert (f"{part} (rows 1 to 2, committed) is missing" if damage == "deleted"
+            else f"{part}: ") in err
     assert _files(tmp_path / "T") == before
     assert cli_main(args + ["--force"]) == 0
     capsys.readouterr()

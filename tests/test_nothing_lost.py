@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lab.notebook
 from lab import records, runlock
 from lab.lifecycle import CHECKPOINT, CheckpointError, Lifecycle
 from lab.records import RecordError
@@ -298,7 +299,7 @@ def _assert_damaged(out: Path, named: str, what: str) -> None:
         with pytest.raises(RecordError, match=what) as info:
             check(out)
         assert named in str(info.value)
-    state = runlock.inspect(out)  # what `lab run` and `lab sweep` decide by
+    state = lab.notebook.run_state(out)  # what `lab run` and `lab sweep` decide by
     assert state.status == "unreadable" and named in state.error
 
 
