@@ -665,3 +665,61 @@ def test_with_no_instruction_a_raw_step_moves_active_drive_the_signs_way(sign):
     measured = float((C * h * (z_new - z)).sum())
     assert s * measured > 0
     assert abs(measured - predicted) < 0.02 * abs(predicted), (measured, predicted)
+
+
+def test_a_run_stored_before_traffic_sign_reads_as_anti_hebbian():
+    """Runs made before ``traffic_sign`` existed added the traffic to the gradient: a stored
+    config without the key (the committed MT-1 fixture's) reads, through
+    ``with_legacy_params``, as ``anti_hebbian``, which matches a config asking for that and
+    not the new default; the rules' checkpoint state keeps its keys (old checkpoints load)."""
+    import json
+    from pathlib import Path
+
+    from lab.rules import resolve_params
+    from lab.rules.registry import with_legacy_params
+
+    runs = Path(__file__).parent / "fixtures" / "mt1" / "runs"
+    record = json.loads((runs / "rule_params.traffic_rule-raw_seed-0" / "record.json")
+                        .read_text())
+    old = record["config"]
+    assert old["rule"] == "kp_traffic" and "traffic_sign" not in old["rule_params"]
+    read = with_legacy_params(old)
+    assert read["rule_params"] == resolve_params(
+        "kp_traffic", {**old["rule_params"], "traffic_sign": "anti_hebbian"})
+    assert read["rule_params"] != resolve_params("kp_traffic", old["rule_params"])
+    assert resolve_params("kp_traffic", {})["traffic_sign"] == "hebbian"
+    assert with_legacy_params(read) == read  # a stored key is kept
+    hebbian = {**old, "rule_params": {**old["rule_params"], "traffic_sign": "hebbian"}}
+    assert with_legacy_params(hebbian) == hebbian
+    kp = {"rule": "kp", "rule_params": {"feedback_scale": 1.0}}
+    assert with_legacy_params(kp) == kp  # a rule without legacy parameters: unchanged
+    sdil = with_legacy_params({"rule": "sdil", "rule_params": {"traffic_rule": "raw"}})
+    assert sdil["rule_params"]["traffic_sign"] == "anti_hebbian"
+    # The state a checkpoint holds: the same keys as before the apical module existed.
+    _, rule, _, _ = _calibrated(1, "raw")
+    assert set(rule.state_dict()) >= {
+        "gains", "coefficients", "P", "b", "predictor_generator", "warmup",
+        "calibration_examples", "predictor_updates", "predictor_examples", "sums", "numels",
+        "summed_steps"}
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_step_updates_the_norms_running_statistics_as_batch_norm_does(momentum):
+    """kp_traffic runs the norms' forward itself for a step (to keep the batch statistics
+    its fused backward needs): running mean, variance and batch count end bit for bit as
+    nn.BatchNorm leaves them in kp's step (a cumulative average when momentum is None)."""
+    x, y = _batch(2)
+    buffers = []
+    for name in ("kp", "kp_traffic"):
+        model, rule = _setup(name, {"traffic_rule": "raw"} if name == "kp_traffic" else {},
+                             dims=2)
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.momentum = momentum
+        for _ in range(2):
+            _grads(model, rule, x, y)
+        buffers.append(dict(model.named_buffers()))
+    assert buffers[0].keys() == buffers[1].keys() and buffers[0]
+    for n in buffers[0]:
+        assert torch.equal(buffers[0][n], buffers[1][n]), n
+    assert int(buffers[1]["stem_norm.num_batches_tracked"]) == 2

@@ -66,7 +66,14 @@ import torch.nn.functional as F
 from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
-from .apical import TRAFFIC_RATIO_MAX, TRAFFIC_RULES, TRAFFIC_SIGNS, Apical, check_calibrated
+from .apical import (
+    LEGACY_PARAMS,
+    TRAFFIC_RATIO_MAX,
+    TRAFFIC_RULES,
+    TRAFFIC_SIGNS,
+    Apical,
+    check_calibrated,
+)
 from .base import Rule, StepResult, check_example_needs
 from .common import Segments, derive_seed, full_fp32, output_error, parameters_frozen
 from .feedback import FeedbackAlignment, check_supported
@@ -324,6 +331,7 @@ class SDIL(Rule):
 
     name = "sdil"
     Params = SDILParams
+    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("perturbation/loss_queries", "calibration/events",
                    "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_innovation/mean", "apical/rms_traffic/mean")

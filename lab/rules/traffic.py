@@ -42,6 +42,7 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
+    LEGACY_PARAMS,
     SIGNALS,
     TRAFFIC_RATIO_MAX,
     TRAFFIC_RULES,
@@ -106,13 +107,14 @@ def _keeping_stats(norm: nn.Module, stats: dict):
     and inverse std it normalised with (the fused backward needs them)."""
     def forward(x):
         factor = 0.0 if norm.momentum is None else norm.momentum
-        if norm.track_running_stats and norm.num_batches_tracked is not None:
+        track = norm.track_running_stats  # off inside preserved_norm_stats
+        if track and norm.num_batches_tracked is not None:
             norm.num_batches_tracked.add_(1)
             if norm.momentum is None:  # a cumulative moving average
                 factor = 1.0 / float(norm.num_batches_tracked)
         out, mean, invstd = torch.native_batch_norm(
-            x, norm.weight, norm.bias, norm.running_mean, norm.running_var, True, factor,
-            norm.eps)
+            x, norm.weight, norm.bias, norm.running_mean if track else None,
+            norm.running_var if track else None, True, factor, norm.eps)
         stats[id(norm)] = (mean.detach(), invstd.detach())
         return out
 
@@ -174,6 +176,7 @@ class KolenPollackTraffic(KolenPollack):
 
     name = "kp_traffic"
     Params = TrafficParams
+    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("feedback/mean_cos", "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_raw/mean", "apical/rms_innovation/mean",
                    "apical/rms_traffic/mean")
