@@ -442,7 +442,7 @@ def _cut(hs):
     return lambda i, h: hs.append(h) or h.detach()
 
 
-def _nlms(h, T, P, b, eta):
+def _predictor_nlms(h, T, P, b, eta):
     """DESIGN section 5's predictor step, written directly (float64)."""
     r = T - (P * h + b)
     hc, rc = h - h.mean(0), r - r.mean(0)
@@ -494,7 +494,8 @@ def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_ru
             used, raw, innovation, traffic = _sdil_used(
                 traffic_rule, ins, h.detach(), ap.coefficients[i], ap.gains[i], *before[i], sign)
             if (step + 1) % every == 0:
-                want_P, want_b = _nlms(h.detach(), traffic, *before[i], ap.params.predictor_lr)
+                want_P, want_b = _predictor_nlms(h.detach(), traffic, *before[i],
+                                                 ap.params.predictor_lr)
                 assert bool((want_P != before[i][0]).any())
             else:
                 want_P, want_b = before[i]
