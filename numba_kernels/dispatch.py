@@ -191,6 +191,15 @@ def _flat(t: torch.Tensor, *shape) -> torch.Tensor:
     return t.detach().contiguous().view(*shape)
 
 
+def _np(t: torch.Tensor, *shape) -> np.ndarray:
+    """``_flat`` as a numpy view, in fewer steps (the CPU forms' hot path)."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.numpy().reshape(shape)
+
+
 def _mark_written(*tensors: torch.Tensor) -> None:
     # Writes through numpy / CUDA array views bypass torch: bump the version counters
     # so autograd still notices an in-place change to a tensor it saved.
@@ -202,7 +211,7 @@ def _rule(rule, allowed) -> None:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(allowed)}")
 
 
-def _kernel_units(C, gain: float, P, b, sign: str):
+def _kernel_units(gain: float, P, b, sign: str):
     """(gain, P, b) for the numba forms, which compute the gradient-convention raw I + T:
     the hebbian sign is the same with all three negated (exact)."""
     if sign_factor(sign) > 0:
@@ -236,19 +245,22 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, sign: str = "hebbian", out=N
                 out.copy_(res.used)
             res = res._replace(used=out)
         return res
-    g, P, b = _kernel_units(C, g, P, b, sign)
-    B, N = h.shape[0], h[0].numel()
-    used = torch.empty((B, N), dtype=h.dtype, device=h.device) if out is None else out
-    flat = [_flat(t, B, N) for t in (I, h)]
-    units = [_flat(t, N) for t in (C, P, b)]
+    B, N = h.shape[0], h.numel() // h.shape[0]
+    used = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
     code = cpu.RULE_CODES[rule]
     if form == "cpu":
-        tot = torch.from_numpy(cpu.mixed_apical(
-            flat[0].numpy(), flat[1].numpy(), units[0].numpy(), flat[1].numpy().dtype.type(g),
-            units[1].numpy(), units[2].numpy(), code, used.detach().view(B, N).numpy()))
+        I_, h_, used_ = _np(I, B, N), _np(h, B, N), _np(used, B, N)
+        C_, P_, b_ = _np(C, N), _np(P, N), _np(b, N)
+        if sign_factor(sign) > 0:  # hebbian: the kernel's I + T with g, P, b negated
+            g, P_, b_ = -g, -P_, -b_
+        tot = torch.from_numpy(cpu.mixed_apical(I_, h_, C_, h_.dtype.type(g), P_, b_, code,
+                                                used_))
     else:
         from . import gpu
 
+        g, P, b = _kernel_units(g, P, b, sign)
+        flat = [_flat(t, B, N) for t in (I, h)]
+        units = [_flat(t, N) for t in (C, P, b)]
         gC = units[0] * g  # the reference's product: same rounding
         ws = {k: torch.empty(s, dtype=torch.float64, device=h.device)
               for k, s in gpu.mixed_workspace_shapes(B, N).items()}
@@ -262,7 +274,7 @@ def mixed_apical(I, h, C, gain, P, b, rule: str, *, sign: str = "hebbian", out=N
         tot = ws["tot"]
     if out is not None:
         _mark_written(out)
-    return MixedApical(used.view(h.shape) if out is None else out, tot)
+    return MixedApical(used, tot)
 
 
 def _local_squares(chan, rows, code: int) -> tuple:
@@ -321,28 +333,32 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
                 out.copy_(res.grad)
             res = res._replace(grad=out)
         return res
-    g, P, b = _kernel_units(C, g, P, b, sign)
     B, Ch = h.shape[:2]
-    S = h[0, 0].numel()
-    pop = [_flat(t, B, Ch, S) for t in (I, h, o)]
-    grad = torch.empty_like(pop[0]) if out is None else out.detach().view(B, Ch, S)
-    extra = [torch.empty_like(pop[0]) if wanted else None for wanted in (instruction, masked)]
-    units = [_flat(t, Ch, S) for t in (C, P, b)]
-    stats = None if mean is None else [_flat(t, Ch) for t in (mean, invstd, gamma)]
+    S = h.numel() // (B * Ch)
+    grad = torch.empty((B, Ch, S), dtype=h.dtype, device=h.device) if out is None else out
+    extra = [torch.empty((B, Ch, S), dtype=h.dtype, device=h.device) if wanted else None
+             for wanted in (instruction, masked)]
     code = cpu.LOCAL_CODES[rule]
     if form == "cpu":
-        dt = h.detach().numpy().dtype
+        pop = [_np(t, B, Ch, S) for t in (I, h, o, grad)]
+        dt = pop[0].dtype
         absent = np.empty((B, Ch, 0), dtype=dt)
+        C_, P_, b_ = (_np(t, Ch, S) for t in (C, P, b))
+        if sign_factor(sign) > 0:  # hebbian: the kernel's I + T with g, P, b negated
+            g, P_, b_ = -g, -P_, -b_
         chan, rows = cpu.mixed_local(
-            *(t.numpy() for t in pop), grad.numpy(),
-            *(absent if t is None else t.numpy() for t in extra), units[0].numpy(),
-            dt.type(g), units[1].numpy(), units[2].numpy(), code, dt.type(sc),
-            *((None,) * 3 if stats is None else (t.numpy() for t in stats)))
+            *pop, *(absent if t is None else t.numpy() for t in extra), C_, dt.type(g), P_, b_,
+            code, dt.type(sc),
+            *((None,) * 3 if mean is None else (_np(t, Ch) for t in (mean, invstd, gamma))))
         ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
         chan = torch.from_numpy(chan)
     else:
         from . import gpu
 
+        g, P, b = _kernel_units(g, P, b, sign)
+        pop = [_flat(t, B, Ch, S) for t in (I, h, o)]
+        units = [_flat(t, Ch, S) for t in (C, P, b)]
+        stats = None if mean is None else [_flat(t, Ch) for t in (mean, invstd, gamma)]
         f64 = dict(dtype=torch.float64, device=h.device)
         chan, rows = torch.empty((Ch, cpu.L_SUMS), **f64), torch.empty((B, 2), **f64)
         part = torch.empty((B, Ch, cpu.L_SUMS), **f64)
@@ -356,7 +372,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
         dt = np.dtype(str(h.dtype).removeprefix("torch.")).type
         with _cuda_launch(h.device) as stream:
             arr = _device_array
-            gpu.mixed_local(*(arr(t) for t in pop), arr(grad),
+            gpu.mixed_local(*(arr(t) for t in pop), arr(grad.detach().view(B, Ch, S)),
                             *(arr(dummy if t is None else t) for t in extra),
                             instruction, masked, arr(gC), arr(d), arr(units[2]), arr(fac), code,
                             dt(sc), *(arr(t) for t in stats), mean is not None, arr(chan),
@@ -393,15 +409,15 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     if form == "torch":
         with torch.no_grad():
             return reference.predictor_update_reference(h.detach(), T.detach(), P, b, lr)
-    B, N = h.shape[0], h[0].numel()
-    flat = [_flat(t, B, N) for t in (h, T)]
-    P_, b_ = P.detach().view(N), b.detach().view(N)
+    B, N = h.shape[0], h.numel() // h.shape[0]
     if form == "cpu":
-        tot = torch.from_numpy(cpu.predictor_update(*(t.numpy() for t in flat), P_.numpy(),
-                                                    b_.numpy(), lr))
+        tot = torch.from_numpy(cpu.predictor_update(_np(h, B, N), _np(T, B, N), _np(P, N),
+                                                    _np(b, N), lr))
     else:
         from . import gpu
 
+        flat = [_flat(t, B, N) for t in (h, T)]
+        P_, b_ = P.detach().view(N), b.detach().view(N)
         ws = {k: torch.empty(s, dtype=torch.float64, device=h.device)
               for k, s in gpu.predictor_workspace_shapes(N).items()}
         with _cuda_launch(h.device) as stream:
@@ -435,10 +451,10 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     if form == "torch":
         with torch.no_grad():
             return reference.aux_add_reference(dst, src.detach())
-    d, s = dst.detach().view(-1), _flat(src, -1)
     if form == "cpu":
-        cpu.aux_add(d.numpy(), s.numpy())
+        cpu.aux_add(_np(dst, -1), _np(src, -1))
     else:
+        d, s = dst.detach().view(-1), _flat(src, -1)
         from . import gpu
 
         with _cuda_launch(dst.device) as stream:
