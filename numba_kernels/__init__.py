@@ -21,7 +21,8 @@ a per-unit predictor), and the CfC trainer's gradient merge (DESIGN section 7):
 Each exists as a CUDA kernel (``gpu.py``: numba-cuda, zero-copy on torch CUDA
 tensors, on torch's current stream), a CPU kernel (``cpu.py``: ``numba.njit(
 parallel=True)``, zero-copy on CPU tensors) and a plain torch reference
-(``reference.py``); ``dispatch.py`` checks the tensors and picks the form by
+(``reference.py``, the spec, in the seed's descent convention with the traffic's
+``sign``); ``dispatch.py`` checks a call's layout once and picks the form by
 device (``backend="torch"`` forces the reference). Reductions use no atomics:
 fixed chunking and a fixed combine order, so results repeat bit for bit. The
 CPU kernels run on ``NUMBA_NUM_THREADS`` threads (set it per run beside the
@@ -42,6 +43,7 @@ from .dispatch import (
                         start_pool,
 )
 from .reference import (
+                        SIGNS,
                         aux_add_reference,
                         mixed_apical_reference,
                         mixed_local_reference,
@@ -53,6 +55,7 @@ __all__ = [
     "BACKENDS",
     "LOCAL_RULES",
     "RULES",
+    "SIGNS",
     "MixedApical",
     "MixedLocal",
     "PredictorStats",

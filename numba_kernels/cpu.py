@@ -34,8 +34,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import carray, njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from .cachedir import ensure_cache_dir
 
@@ -202,62 +201,6 @@ def mixed_apical(I, h, C, g, P, b, rule: int, out):
     """
     kernel = _mixed_serial if I.size < SERIAL_BELOW else _mixed_parallel
     return kernel(I, h, C, g, P, b, rule, out)
-
-
-@intrinsic
-def _pointer(typingctx, address, like):
-    """A pointer to elements of ``like``'s type at an integer ``address`` (a torch
-    tensor's ``data_ptr()``), for ``numba.carray``."""
-    sig = types.CPointer(like)(types.intp, like)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
-# The dispatcher's hot path: ``mixed_apical`` on memory given by address. aI ... aout are
-# data pointers of I, h, C, P, b, out, each contiguous, of g's dtype, (B, N) for I, h,
-# out and (N,) for C, P, b; the caller has checked all of that and keeps the tensors
-# alive. Same kernels, same bits as ``mixed_apical`` on numpy views; why addresses:
-# see dispatch._mixed_cpu_fast.
-@njit(cache=True)
-def _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g):
-    # I, h, out (B, N) and C, P, b (N,) as arrays over the given addresses.
-    rows = (B, N)
-    return (carray(_pointer(aI, g), rows), carray(_pointer(ah, g), rows),
-            carray(_pointer(aC, g), (N,)), carray(_pointer(aP, g), (N,)),
-            carray(_pointer(ab, g), (N,)), carray(_pointer(aout, g), rows))
-
-
-@njit(cache=True)
-def _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, g, rule, parallel):
-    I, h, C, P, b, out = _arrays_at(aI, ah, aC, aP, ab, aout, B, N, g)
-    if parallel:
-        tot = _mixed_parallel(I, h, C, g, P, b, rule, out)
-    else:
-        tot = _mixed_serial(I, h, C, g, P, b, rule, out)
-    into = carray(_pointer(atot, tot[0]), (5,))  # float64 totals
-    into[:] = tot
-
-
-@njit(cache=True)
-def mixed_at(aI, ah, aC, aP, ab, aout, atot, B, N, gain, rule, wide, parallel):
-    """``mixed_apical`` on memory given by address, totals written to ``atot`` (5 float64).
-
-    Every argument is a python int, float or bool, the cheapest kind for numba's
-    dispatcher to type, and nothing is returned, so no array is made for the call's
-    result (each costs tens of microseconds with the Python objects out of cache).
-    One compiled function for both dtypes: ``wide`` picks float64, else float32; the
-    gain (a python float) is rounded to the dtype here, as numpy's ``float32(gain)``.
-    ``parallel`` picks the prange kernel (the caller applies ``SERIAL_BELOW``).
-    """
-    if wide:
-        _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, np.float64(gain), rule,
-                        parallel)
-    else:
-        _mixed_at_dtype(aI, ah, aC, aP, ab, aout, atot, B, N, np.float32(gain), rule,
-                        parallel)
 
 
 # ---- predictor update: per-unit reductions over the batch -------------------------------

@@ -1,14 +1,27 @@
-"""Plain-torch forms of the kernels: the definitions the CPU and CUDA kernels are tested against.
+"""The mixed apical compartment in plain torch: the spec the CPU and CUDA kernels are held to.
 
-DESIGN section 5 (mixed apical traffic, seed 003), written the natural torch way
-(every intermediate allocated). Operation order follows the kernels where
-rounding could tell them apart: traffic is ``(g*C) * h`` with ``g*C`` formed once
-in the input dtype; innovation is ``I + ((g*C - P)*h - b)``, which is
-``R - (P*h + b)`` in real arithmetic and gives the instruction back bit for bit
-under an exact predictor (P == g*C, b == 0) even where a compiler fuses
-multiply-adds; sums of squares are accumulated in float64. The predictor
-update's reductions run in float64 and the result is rounded to the parameters'
-dtype once, as the kernels do.
+DESIGN section 5 (seed 003, the MT-1 protocol), written the natural torch way,
+top to bottom. At a population h (B, *U) with the instruction I (the gradient,
+d loss / dh, this package's convention), the seed mixes in the *descent*
+convention: d = -I, and the soma-coupled traffic T = (g*C)*h is added to d, so
+on an active unit it pushes the drive up (Hebbian, ``sign="hebbian"``, the
+seed's and the default); ``"anti_hebbian"`` adds it to the gradient instead:
+
+    s      = +1 (hebbian) or -1 (anti_hebbian)
+    R_d    = d + s*T                             raw
+    N_d    = R_d - s*(P*h + b)                   innovation (the predictor removes T)
+    M_d    = R_d * ||N_d|| / ||R_d||             matched, per example
+    used   = -(R_d | N_d | M_d)                  handed to the optimizer as a gradient
+
+The predictor (P, b per unit) always predicts T itself; the sign only says
+which way T enters. Operation order follows the kernels where rounding could
+tell them apart: ``g*C`` is formed once in the input dtype, and the
+innovation as ``d + s*((g*C - P)*h - b)``, equal to the line above in real
+arithmetic and the instruction bit for bit under an exact predictor
+(P == g*C, b == 0). The kernels compute the gradient-convention form with
+(s*g, s*P, s*b) negated by the sign; negation is exact, so both give the same
+bits. Sums of squares are accumulated in float64; the predictor update's
+reductions run in float64 and are rounded to the parameters' dtype once.
 """
 
 from __future__ import annotations
@@ -17,26 +30,44 @@ import torch
 
 from .results import MixedApical, MixedLocal, PredictorStats
 
+RULES = ("raw", "matched", "innovation")
+# mixed_local also takes the clean reference, whose used signal is the instruction.
+LOCAL_RULES = ("none", *RULES)
+# +1: the traffic is added to the descent direction (the seed's); -1: to the gradient.
+SIGNS = {"hebbian": 1, "anti_hebbian": -1}
+
 
 def _ss(x: torch.Tensor) -> torch.Tensor:
     return x.square().sum(dtype=torch.float64)
 
 
-def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # noqa: E741
-    """Traffic, raw, innovation and matched for one population, in plain torch.
+def sign_factor(sign: str) -> int:
+    """+1 for ``hebbian``, -1 for ``anti_hebbian``; ValueError naming the choices else."""
+    try:
+        return SIGNS[sign]
+    except (KeyError, TypeError):
+        raise ValueError(f"sign={sign!r}; allowed: {', '.join(SIGNS)}") from None
 
-    Takes tensors as they come (the dispatcher checks them); only the rule is checked
-    here, so a mistyped one is an error rather than matched."""
-    if rule not in ("raw", "innovation", "matched"):
-        raise ValueError(f"rule={rule!r}; allowed: raw, matched, innovation")
+
+def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
+                           sign: str = "hebbian") -> MixedApical:
+    """Traffic, raw, innovation and matched for one population (module docstring).
+
+    I, h: (B, *U); C, P, b: (*U); gain a number. ``.used`` is in the gradient
+    convention (what the optimizer subtracts); the sums of squares are of the
+    gradient-convention signals (the same numbers as the descent ones)."""
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
+    s = sign_factor(sign)
+    d = -I  # the descent instruction
     gC = C * gain  # (*U)
-    T = gC * h  # (B, *U)
-    R = I + T
-    N = I + ((gC - P) * h - b)
+    T = gC * h  # (B, *U) the traffic
+    R = d + s * T
+    N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
     if rule == "raw":
-        used = R
+        chosen = R
     elif rule == "innovation":
-        used = N
+        chosen = N
     else:
         dims = tuple(range(1, I.dim()))
         ss_r = R.square().sum(dim=dims, dtype=torch.float64)  # (B,)
@@ -45,7 +76,8 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str) -> MixedApical:  # no
         # norms overflow (or hold a NaN) has none: NaN (x - x is NaN for x = inf or NaN).
         scale = (torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
                  + (ss_r - ss_r) + (ss_n - ss_n))
-        used = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
+        chosen = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
+    used = -chosen
     return MixedApical(used, torch.stack([_ss(I), _ss(T), _ss(R), _ss(N), _ss(used)]))
 
 
@@ -68,7 +100,7 @@ def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa: E741
                           invstd=None, gamma=None, scale: float = 1.0, instruction: bool = False,
-                          masked: bool = False) -> MixedLocal:
+                          masked: bool = False, sign: str = "hebbian") -> MixedLocal:
     """One population's backward step to the output o of the layer that made it.
 
     h = relu(scale * norm(o) + shortcut) (no norm: relu(scale * o + shortcut)).
@@ -80,10 +112,10 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
     the used signal's norm parameter gradients. Rule ``none``: used = I. Norm sums
     in float64.
     """
-    if rule not in ("none", "raw", "innovation", "matched"):
-        raise ValueError(f"rule={rule!r}; allowed: none, raw, matched, innovation")
+    if rule not in LOCAL_RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     mixed = mixed_apical_reference(I, h, C, gain, P, b,
-                                   "innovation" if rule == "none" else rule)
+                                   "innovation" if rule == "none" else rule, sign)
     used = I if rule == "none" else mixed.used
     sums = (mixed.ss_instruction if rule == "none" else mixed.ss_used, mixed.ss_instruction,
             mixed.ss_raw, mixed.ss_innovation, mixed.ss_traffic)

@@ -47,7 +47,10 @@ def data(shape, dtype, seed):
 def check_mixed(shape, dtype, rule, seed=0):
     t = data(shape, dtype, seed)
     gain = 0.7
-    ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], gain, t["P"], t["b"], rule)
+    # The CUDA kernels compute the gradient-convention form (raw I + T): the reference's
+    # anti_hebbian sign; dispatch negates gain, P and b for the hebbian one.
+    ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], gain, t["P"], t["b"], rule,
+                                           "anti_hebbian")
     B, N = shape[0], int(np.prod(shape[1:]))
     I, h = (t[k].reshape(B, N).numpy() for k in "Ih")
     gC = (t["C"] * gain).reshape(N).numpy()
@@ -77,7 +80,7 @@ def check_nan_matched(dtype, kind="nan"):
     else:
         t["I"][1] *= 1e160
     ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"],
-                                           "matched")
+                                           "matched", "anti_hebbian")
     I, h = t["I"].numpy(), t["h"].numpy()
     gC = (t["C"] * 0.7).numpy()
     out = np.zeros((3, 10), dtype=dtype)
@@ -190,7 +193,8 @@ def check_zero_row():
     t = data(shape, np.float64, 3)
     t["I"][0] = 0.0
     t["h"][0] = 0.0
-    ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"], "matched")
+    ref = reference.mixed_apical_reference(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"], "matched",
+                                           "anti_hebbian")
     out = np.full(shape, np.nan)
     ws = {k: np.zeros(s) for k, s in gpu.mixed_workspace_shapes(2, 6, TPB).items()}
     gpu.mixed_apical(t["I"].numpy(), t["h"].numpy(), (t["C"] * 0.7).numpy(), t["P"].numpy(),
@@ -232,16 +236,17 @@ def check_dispatch_cuda_branch():
     for dtype in (np.float32, np.float64):
         tol = TOL[dtype]
         t = data((3, 2, 5, 7), dtype, 5)
-        for rule in ("raw", "matched", "innovation"):
-            got = nk.mixed_apical(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"], rule)
+        for rule, sign in (("raw", "hebbian"), ("matched", "hebbian"),
+                           ("innovation", "hebbian"), ("raw", "anti_hebbian")):
+            got = nk.mixed_apical(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"], rule, sign=sign)
             want = nk.mixed_apical(t["I"], t["h"], t["C"], 0.7, t["P"], t["b"], rule,
-                                   backend="torch")
+                                   sign=sign, backend="torch")
             close(f"dispatch {rule} used", got.used, want.used, tol)
             close(f"dispatch {rule} sums", got.sums.tolist(), want.sums.tolist(), tol)
             # per-unit tensors that are not contiguous (a transposed C: C * g keeps its
             # strides) are made contiguous before the flat views the kernels take
             Ct = t["C"].transpose(1, 2).contiguous().transpose(1, 2)
-            got = nk.mixed_apical(t["I"], t["h"], Ct, 0.7, t["P"], t["b"], rule)
+            got = nk.mixed_apical(t["I"], t["h"], Ct, 0.7, t["P"], t["b"], rule, sign=sign)
             close(f"dispatch {rule} transposed C", got.used, want.used, tol)
         P1, b1, P2, b2 = t["P"].clone(), t["b"].clone(), t["P"].clone(), t["b"].clone()
         s1 = nk.predictor_update(t["h"], t["I"], P1, b1, 0.3)

@@ -95,3 +95,61 @@ def test_teaching_cosine_is_nan_where_the_true_gradient_is_zero():
     assert math.isnan(update["hidden.0"]) and math.isnan(update["hidden.1"])
     assert update["fc"] == pytest.approx(1.0, abs=1e-12)
     assert report["mean_update_cos"] == update["fc"] and report["update_defined"] == 1
+
+
+def _same(a, b, where="state") -> None:
+    """Equal, recursively: tensors bit for bit, floats with NaN equal to NaN."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b)):
+            _same(u, v, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.parametrize("name", ["dfa", "sdil"])
+def test_alignment_restores_a_rule_that_draws_or_matches_its_feedback_on_first_use(name,
+                                                                                  trained):
+    """dfa draws its projections and sdil its vectorisers, coefficients and predictor at
+    the first call; a diagnostic before (or after) the first step leaves the rule's state
+    exactly as it found it, so the run's next step is the one it would have taken."""
+    from lab.models import ResNet
+
+    def build():
+        torch.manual_seed(0)
+        model = ResNet(8, 4, dims=1, in_channels=1, n_classes=5, dtype=torch.float64)
+        params = {} if name == "dfa" else {"a_warmup_steps": 0, "pert_directions": 2,
+                                           "predictor_every": 1, "pert_every": 1,
+                                           "traffic_ratio": 0.0}
+        return model, make_rule(name, model, params, seed=3)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 1, 20, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (12,), generator=g)
+    model, rule = build()
+    twin_model, twin = build()
+    if trained:
+        for r in (rule, twin):
+            r.compute_gradients(x, y, 0)
+            if name == "sdil":  # a gain and a predictor that are not zero
+                r.apical.gains = [0.3] * len(r.apical.gains)
+    before = copy.deepcopy(rule.state_dict())
+    report = alignment(model, rule, x, y)
+    assert math.isfinite(report["mean_teaching_cos"])
+    _same(rule.state_dict(), before)
+    model.zero_grad(set_to_none=True)
+    twin_model.zero_grad(set_to_none=True)
+    rule.compute_gradients(x, y, 1)
+    twin.compute_gradients(x, y, 1)
+    for (n, p), (_, q) in zip(model.named_parameters(), twin_model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    _same(rule.state_dict(), twin.state_dict())

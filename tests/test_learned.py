@@ -75,7 +75,7 @@ def _grads(model):
 
 def test_sdil_zero_gain_innovation_is_the_instruction():
     (model, rule), (clean_model, clean), x, y = _sdil_pair("innovation", traffic_ratio=0.0)
-    assert rule.gains == [0.0] * len(rule.gains)
+    assert rule.apical.gains == [0.0] * len(rule.apical.gains)
     rule.compute_gradients(x, y, None)
     clean.compute_gradients(x, y, None)
     got, want = _grads(model), _grads(clean_model)
@@ -85,10 +85,10 @@ def test_sdil_zero_gain_innovation_is_the_instruction():
 def test_sdil_exact_predictor_leaves_the_instruction():
     """P = g C: the innovation N = R - P h is the instruction, to rounding."""
     (model, rule), (clean_model, clean), x, y = _sdil_pair("innovation")
-    assert all(g > 0 for g in rule.gains)
-    for i, c in enumerate(rule.coefficients):
-        rule.P[i] = c * rule.gains[i]  # P = g C, b = 0: the traffic exactly predicted
-        rule.b[i].zero_()
+    assert all(g > 0 for g in rule.apical.gains)
+    for i, c in enumerate(rule.apical.coefficients):
+        rule.apical.P[i] = c * rule.apical.gains[i]  # P = g C, b = 0: the traffic exactly predicted
+        rule.apical.b[i].zero_()
     rule.compute_gradients(x, y, None)
     clean.compute_gradients(x, y, None)
     got, want = _grads(model), _grads(clean_model)
@@ -100,10 +100,11 @@ def test_sdil_raw_traffic_changes_the_update_and_the_predictor_learns_it():
     (model, rule), _, x, y = _sdil_pair("raw", predictor_warmup_steps=0)
     hs, _, _ = true_gradients(model, x, y)
     for _ in range(30):
-        rule.predict(hs)
-    for i, c in enumerate(rule.coefficients):  # NLMS on (h, g C h) finds P = g C
+        rule.apical.predict(hs)
+    for i, c in enumerate(rule.apical.coefficients):  # NLMS on (h, g C h) finds P = g C
         active = hs[i].flatten(1).std(0).view_as(c) > 0.1
-        assert torch.allclose(rule.P[i][active], (c * rule.gains[i])[active], rtol=1e-3)
+        want = (c * rule.apical.gains[i])[active]
+        assert torch.allclose(rule.apical.P[i][active], want, rtol=1e-3)
 
 
 def _hooked_macs(model):
@@ -420,10 +421,13 @@ def test_observation_counts_follow_difference_and_per_example(name, difference, 
     assert math.isfinite(rule.fit)
 
 
-def _sdil_used(rule_name, ins, h, c, gain, p, b):
-    """DESIGN section 5 in d sum-loss/dh units: the signal each traffic rule injects."""
+def _sdil_used(rule_name, ins, h, c, gain, p, b, sign="hebbian"):
+    """DESIGN section 5 in d sum-loss/dh units: the signal each traffic rule injects (the
+    seed's descent convention d = -I, R_d = d + s T, N_d = R_d - s (P h + b); minus each)."""
+    s = {"hebbian": 1.0, "anti_hebbian": -1.0}[sign]
     traffic = gain * c * h
-    raw, innovation = ins + traffic, ins + traffic - (p * h + b)
+    raw = -(-ins + s * traffic)
+    innovation = -(-ins + s * traffic - s * (p * h + b))
     if rule_name == "none":
         return ins, raw, innovation, traffic
     if rule_name == "raw":
@@ -438,29 +442,44 @@ def _cut(hs):
     return lambda i, h: hs.append(h) or h.detach()
 
 
-@pytest.mark.parametrize("traffic_rule", ["none", "raw", "innovation", "matched"])
-def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_rule):
+def _predictor_nlms(h, T, P, b, eta):
+    """DESIGN section 5's predictor step, written directly (float64)."""
+    r = T - (P * h + b)
+    hc, rc = h - h.mean(0), r - r.mean(0)
+    return (P + eta * (rc * hc).mean(0) / (hc.square().mean(0) + 1e-12), b + eta * r.mean(0))
+
+
+@pytest.mark.parametrize("traffic_rule,sign,every", [
+    ("none", "hebbian", 100), ("raw", "hebbian", 1), ("innovation", "hebbian", 2),
+    ("matched", "hebbian", 1), ("raw", "anti_hebbian", 2), ("matched", "anti_hebbian", 100)])
+def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_rule, sign,
+                                                                      every):
     """Gradients: the read-out's from the mean loss, each other layer's from its own
     population's used signal / B (autograd within the segment). Metrics: per population
-    RMS over the summed steps of each signal, recomputed from the same formulas."""
+    RMS over the summed steps of each signal, recomputed from the same formulas. The
+    predictor: every ``every`` steps one NLMS step on the step's (h, g C h), written
+    directly, and no change between."""
     model, x, y = smooth_net()
     rule = make_rule("sdil", model, {"traffic_rule": traffic_rule, "pert_every": 100,
-                                     "predictor_every": 100}, seed=0)
+                                     "predictor_every": every, "traffic_sign": sign}, seed=0)
     names = model.population_names
     fresh = rule.epoch_metrics()["apical"]  # nothing summed yet
     assert all(math.isnan(fresh[f"rms_{s}"][n]) for s in ("used", "traffic") for n in names)
     assert rule.compute_gradients(x, y, None).teaching is None  # record defaults to False
     gen = torch.Generator().manual_seed(5)
-    rule.gains = [0.5 + 0.25 * i for i in range(len(names))]
-    for i, c in enumerate(rule.coefficients):
-        rule.P[i] = torch.randn(c.shape, generator=gen, dtype=c.dtype) * rule.gains[i]
-        rule.b[i] = 0.1 * torch.randn(c.shape, generator=gen, dtype=c.dtype)
+    rule.apical.gains = [0.5 + 0.25 * i for i in range(len(names))]
+    for i, c in enumerate(rule.apical.coefficients):
+        rule.apical.P[i] = (torch.randn(c.shape, generator=gen, dtype=c.dtype)
+                            * rule.apical.gains[i])
+        rule.apical.b[i] = 0.1 * torch.randn(c.shape, generator=gen, dtype=c.dtype)
     sums = {s: [0.0] * len(names) for s in ("used", "instruction", "raw", "innovation",
                                              "traffic")}
     numels = [0] * len(names)
     batches = [x, 0.7 * x + 0.3 * torch.randn(x.shape, generator=gen, dtype=x.dtype)]
-    for step, xb in enumerate(batches):
+    updates = 0
+    for step, xb in enumerate(batches + batches[:1]):
         model.zero_grad(set_to_none=True)
+        before = [(p.clone(), b.clone()) for p, b in zip(rule.apical.P, rule.apical.b)]
         result = rule.compute_gradients(xb, y, step, record=True)
         got = _grads(model)
         twin = copy.deepcopy(model)
@@ -471,9 +490,17 @@ def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_ru
         for i, h in enumerate(hs):
             ins = (e @ rule.A[i]).view_as(h)
             torch.testing.assert_close(result.teaching[i], ins, rtol=1e-13, atol=0.0)
+            ap = rule.apical
             used, raw, innovation, traffic = _sdil_used(
-                traffic_rule, ins, h.detach(), rule.coefficients[i], rule.gains[i],
-                rule.P[i], rule.b[i])
+                traffic_rule, ins, h.detach(), ap.coefficients[i], ap.gains[i], *before[i], sign)
+            if (step + 1) % every == 0:
+                want_P, want_b = _predictor_nlms(h.detach(), traffic, *before[i],
+                                                 ap.params.predictor_lr)
+                assert bool((want_P != before[i][0]).any())
+            else:
+                want_P, want_b = before[i]
+            torch.testing.assert_close(ap.P[i], want_P, rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(ap.b[i], want_b, rtol=1e-12, atol=1e-15)
             total = total + (h * used).sum() / len(y)
             for s, v in (("used", used), ("instruction", ins), ("raw", raw),
                          ("innovation", innovation), ("traffic", traffic)):
@@ -483,8 +510,10 @@ def test_sdil_step_and_apical_metrics_against_a_direct_implementation(traffic_ru
         want = _grads(twin)
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13, msg=n)
+        updates += (step + 1) % every == 0
+    assert rule.apical.predictor_updates == updates
     rule.compute_gradients(x, y, None)  # a diagnostic call sums nothing
-    assert rule.steps == 2
+    assert rule.steps == 3
     apical = rule.epoch_metrics()["apical"]
     for s, per in sums.items():
         rms = [math.sqrt(v / m) for v, m in zip(per, numels)]
@@ -515,33 +544,34 @@ def test_sdil_initial_draws():
     # E (a - mean_k a)^2 = s^2 (1 - 1 / K); 336 entries: the std's sampling sd is ~5%.
     assert float(a.square().mean().sqrt()) == pytest.approx(
         0.3 / math.sqrt(k) * math.sqrt(1 - 1 / k), rel=0.15)
-    logs = torch.cat([c.log().flatten() for c in rule.coefficients])
+    logs = torch.cat([c.log().flatten() for c in rule.apical.coefficients])
     assert float(logs.std()) == pytest.approx(0.25, rel=0.15)
     assert float(logs.mean()) == pytest.approx(0.0, abs=0.1)
-    for t in rule.A + rule.coefficients:  # float64 draws, not float32 rounded
+    for t in rule.A + rule.apical.coefficients:  # float64 draws, not float32 rounded
         assert t.dtype == torch.float64 and not torch.equal(t, t.float().double())
-    assert not torch.equal(rule.coefficients[0], rule.coefficients[1])
+    assert not torch.equal(rule.apical.coefficients[0], rule.apical.coefficients[1])
     assert not torch.equal(rule.A[0], rule.A[1])
     same = built()
-    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.coefficients,
-                                                  same.A + same.coefficients))
+    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.apical.coefficients,
+                                                  same.A + same.apical.coefficients))
     model, x, y = smooth_net()
     default = SDIL(model, SDIL.Params(feedback_scale=0.3))  # seed 0
     default.compute_gradients(x[:1], y[:1], None)
-    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.coefficients,
-                                                  default.A + default.coefficients))
+    assert all(torch.equal(u, v) for u, v in zip(rule.A + rule.apical.coefficients,
+                                                  default.A + default.apical.coefficients))
     other_seed, other_fb, other_traffic = built(seed=1), built(feedback_seed=1), \
         built(traffic_seed=1)
     for u, v in zip(rule.A, other_seed.A):
         assert not torch.equal(u, v)
-    for u, v in zip(rule.coefficients, other_seed.coefficients):
+    for u, v in zip(rule.apical.coefficients, other_seed.apical.coefficients):
         assert not torch.equal(u, v)
     for i in range(len(rule.A)):
         assert not torch.equal(rule.A[i], other_fb.A[i])
-        assert torch.equal(rule.coefficients[i], other_fb.coefficients[i])
+        assert torch.equal(rule.apical.coefficients[i], other_fb.apical.coefficients[i])
         assert torch.equal(rule.A[i], other_traffic.A[i])
-        assert not torch.equal(rule.coefficients[i], other_traffic.coefficients[i])
-    assert rule.gains == [0.0] * 7 and all(float(p.abs().max()) == 0.0 for p in rule.P + rule.b)
+        assert not torch.equal(rule.apical.coefficients[i], other_traffic.apical.coefficients[i])
+    assert rule.apical.gains == [0.0] * 7
+    assert all(float(p.abs().max()) == 0.0 for p in rule.apical.P + rule.apical.b)
 
 
 def test_lhfa_draws_fa_feedback_for_its_seed():
@@ -566,7 +596,7 @@ def test_fresh_rule_metrics_and_state(name):
     twin.load_state_dict(copy.deepcopy(rule.state_dict()))  # before any tensor is drawn
     assert math.isnan(twin.fit) and twin.events == 0
     if name == "sdil":
-        assert twin.A is None and twin.P == [None] * 7
+        assert twin.A is None and twin.apical.P == [None] * 7
         assert final["gains"] == [0.0] * 7
         bill = rule.work(model.layer_macs((1, x.shape[2])), 5)
         assert bill["feedback_propagation"] == bill["calibration"] == 0
@@ -677,7 +707,8 @@ def test_bill_after_warmup_and_steps_from_explicit_counts(name):
         return
     kk = 3  # classes
     updates = 2 + 2  # warm-up, then steps 2 and 4
-    assert rule.predictor_updates == updates and rule.steps == 5 and rule.gain_examples == batch
+    assert rule.apical.predictor_updates == updates and rule.steps == 5
+    assert rule.gain_examples == batch
     assert work == {"forward": forward * trained, "local_correlation": forward * trained,
                     "feedback_propagation": kk * sum(units) * trained,
                     "calibration": examples * (forward + 3 * kk * sum(units)),

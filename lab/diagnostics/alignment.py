@@ -24,12 +24,13 @@ import copy
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..models.layers import local_layers
 from ..models.state import preserved_norm_stats
 from ..rules.base import check_step_result
-from ..rules.common import Recorder
+from ..rules.common import backprop_reference, cosine_per_example
+
+__all__ = ["alignment", "backprop_reference", "cosine_per_example"]
 
 
 @contextlib.contextmanager
@@ -64,32 +65,6 @@ def _weight_grads(layers):
 def _zero(params):
     for p in params:
         p.grad = None
-
-
-def backprop_reference(model, x, y):
-    """Autograd's d(sum loss)/dh per population and weight gradients, feedback slots off."""
-    layers = local_layers(model)
-    for _, m in layers:
-        m.feedback = None
-    _zero(model.parameters())
-    recorder = Recorder(len(y))
-    F.cross_entropy(model(x, tap=recorder), y).backward()
-    return recorder.teaching(), _weight_grads(layers)
-
-
-def cosine_per_example(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over examples of cos(a_i, b_i), over the examples where both are non-zero.
-
-    A confidently classified example can have an exactly zero gradient (the
-    float32 softmax saturates); its cosine is undefined, not zero, so it is left
-    out rather than turned into a NaN or a fake 0. NaN only if no example is left.
-    """
-    a, b = a.flatten(1).double(), b.flatten(1).double()  # (B, units)
-    norms = a.norm(dim=1) * b.norm(dim=1)
-    keep = norms > 0
-    if not keep.any():
-        return float("nan")
-    return float(((a * b).sum(1)[keep] / norms[keep]).mean())
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -220,3 +220,33 @@ def output_error(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """e = softmax(logits) - onehot(y): d(sum cross-entropy)/d logits. (B, K)"""
     check_targets(y, logits)
     return torch.softmax(logits, dim=1) - F.one_hot(y, logits.shape[1]).to(logits.dtype)
+
+
+def backprop_reference(model, x, y):
+    """Autograd's d(sum loss)/dh per population and weight gradients, feedback slots off.
+
+    Writes ``.grad`` and clears the feedback slots: the caller restores both.
+    """
+    layers = local_layers(model)
+    for _, m in layers:
+        m.feedback = None
+    for p in model.parameters():
+        p.grad = None
+    recorder = Recorder(len(y))
+    F.cross_entropy(model(x, tap=recorder), y).backward()
+    return recorder.teaching(), {name: m.weight.grad.detach().clone() for name, m in layers}
+
+
+def cosine_per_example(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over examples of cos(a_i, b_i), over the examples where both are non-zero.
+
+    A confidently classified example can have an exactly zero gradient (the
+    float32 softmax saturates); its cosine is undefined, not zero, so it is left
+    out rather than turned into a NaN or a fake 0. NaN only if no example is left.
+    """
+    a, b = a.flatten(1).double(), b.flatten(1).double()  # (B, units)
+    norms = a.norm(dim=1) * b.norm(dim=1)
+    keep = norms > 0
+    if not keep.any():
+        return float("nan")
+    return float(((a * b).sum(1)[keep] / norms[keep]).mean())

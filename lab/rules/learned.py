@@ -45,12 +45,10 @@ its component along the all-ones class vector removed: e 1 = 0, so that
 component never changes e A_l and the regression's gradient e^T R_l never
 touches it; A_l then converges to the minimum-norm
 least-squares map from e to dL/dh_l. Each population has the mixed apical
-compartment of DESIGN section 5, as in ``kp_traffic``: soma-coupled traffic
-T = g C h (gain calibrated so RMS(T) / RMS(I) = ``traffic_ratio``, after the
-A warm-up), raw R = I + T, a per-unit NLMS predictor trained on
-instruction-off (h, T) pairs, and ``traffic_rule`` (raw | matched |
-innovation; ``none`` trains on I) picking the signal that drives plasticity:
-it is injected at the population like dfa's projected error, and autograd
+compartment of ``apical.py`` (DESIGN section 5), as ``kp_traffic`` does (gain
+calibrated after the A warm-up; the predictor trained on instruction-off
+(h, T) pairs; ``traffic_sign`` and ``traffic_rule`` as there): the used signal
+is injected at the population like dfa's projected error, and autograd
 gives the weight correlation of the producing layer through its local
 norm/ReLU derivative. No signal travels between layers. The read-out learns
 from e, which it sees.
@@ -65,11 +63,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import numba_kernels
-
 from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
+from .apical import (
+    LEGACY_PARAMS,
+    TRAFFIC_RATIO_MAX,
+    TRAFFIC_RULES,
+    TRAFFIC_SIGNS,
+    Apical,
+    check_calibrated,
+)
 from .base import Rule, StepResult, check_example_needs
 from .common import Segments, derive_seed, full_fp32, output_error, parameters_frozen
 from .feedback import FeedbackAlignment, check_supported
@@ -82,14 +86,7 @@ from .perturbation import (
     pert_sigma_field,
 )
 from .registry import register
-from .traffic import (
-    SIGNALS,
-    TRAFFIC_RATIO_MAX,
-    _conv_weight_grad,
-    apical_rms,
-    calibrated_gains,
-    check_calibrated,
-)
+from .traffic import _conv_weight_grad
 
 
 def _need_resnet(model, name):
@@ -314,7 +311,7 @@ class SDILParams:
     eta_A: float = bounded(0.5, 0.0, 2.0, lo_open=True)
     a_warmup_steps: int = bounded(10, 0)
     calibration_batch: int = bounded(128, 1)
-    traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
+    traffic_rule: str = choice("innovation", TRAFFIC_RULES)
     traffic_ratio: float = bounded(4.0, 0.0, TRAFFIC_RATIO_MAX)  # as kp_traffic's
     traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(256, 1)
@@ -322,6 +319,7 @@ class SDILParams:
     predictor_every: int = bounded(10, 1)
     predictor_warmup_steps: int = bounded(100, 0)
     predictor_batch: int = bounded(128, 1)
+    traffic_sign: str = choice("hebbian", TRAFFIC_SIGNS)  # as kp_traffic's
 
     def __post_init__(self):
         validate(self)
@@ -333,6 +331,7 @@ class SDIL(Rule):
 
     name = "sdil"
     Params = SDILParams
+    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("perturbation/loss_queries", "calibration/events",
                    "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_innovation/mean", "apical/rms_traffic/mean")
@@ -357,15 +356,10 @@ class SDIL(Rule):
         self.batch_generator = torch.Generator().manual_seed(derive_seed(seed, "sdil", "batch"))
         n = len(model.population_names)
         self.A: list[torch.Tensor] | None = None  # (K, units) per population
-        self.coefficients: list[torch.Tensor | None] = [None] * n
-        self.P: list[torch.Tensor | None] = [None] * n
-        self.b: list[torch.Tensor | None] = [None] * n
-        self.gains = [0.0] * n
-        self.steps = self.events = self.calibration_examples = self.predictor_updates = 0
-        self.predictor_examples = 0  # examples the predictor updates saw (the bill)
+        self.apical = Apical(self.name, n, p, seed, "sdil-traffic")
+        self.steps = self.events = self.calibration_examples = 0
         self.fit = math.nan
         self.gain_examples = 0
-        self._reset_sums()
 
     # -- per-population tensors ------------------------------------------------------
 
@@ -374,16 +368,11 @@ class SDIL(Rule):
             return
         std = self.params.feedback_scale / math.sqrt(n_classes)
         self.A = []
-        for i, h in enumerate(hs):
+        for h in hs:
             a = torch.randn((n_classes, h[0].numel()), generator=self.generator,
                             dtype=torch.float64) * std
             self.A.append((a - a.mean(0, keepdim=True)).to(h))  # no all-ones component
-            gen = torch.Generator().manual_seed(
-                derive_seed(self.seed, "sdil-traffic", self.params.traffic_seed, i))
-            self.coefficients[i] = torch.exp(0.25 * torch.randn(
-                h.shape[1:], generator=gen, dtype=torch.float64)).to(h)
-            self.P[i] = torch.zeros(h.shape[1:], dtype=h.dtype, device=h.device)
-            self.b[i] = torch.zeros(h.shape[1:], dtype=h.dtype, device=h.device)
+        self.apical.ensure(hs)
 
     def instruction(self, e: torch.Tensor, hs) -> list[torch.Tensor]:
         """I_l = e A_l per population, d(sum loss)/dh units. e: (B, K) -> [(B, *U)]"""
@@ -399,11 +388,6 @@ class SDIL(Rule):
 
     # -- the step -----------------------------------------------------------------------
 
-    def _reset_sums(self):
-        n = len(self.model.population_names)
-        self.sums = {s: [0.0] * n for s in SIGNALS}
-        self.numels = [0] * n
-
     def compute_gradients(self, x, y, step, record=False):
         if step is not None:  # a training step (a diagnostic call may probe shapes first)
             check_calibrated(self, self.gain_examples)
@@ -418,36 +402,22 @@ class SDIL(Rule):
         used = []
         clean = self.params.traffic_rule == "none"
         for i, (ins, h) in enumerate(zip(instructions, hs)):
-            # In batch-mean units, as kp_traffic (traffic and predictor scaled by 1 / B).
-            mixed = numba_kernels.mixed_apical(
-                (ins / batch).contiguous(), h.contiguous(), self.coefficients[i],
-                self.gains[i] / batch, self.P[i] / batch, self.b[i] / batch,
-                "innovation" if clean else self.params.traffic_rule)
+            # In batch-mean units, as kp_traffic's kernel works.
+            mixed = self.apical.signals(i, ins / batch, h, batch)
             used.append(ins if clean else mixed.used * batch)
             if step is not None:
                 sums = dict(zip(mixed.SUMS, mixed.sums.tolist()))
                 if clean:
                     sums["used"] = sums["instruction"]
-                for name in SIGNALS:
-                    self.sums[name][i] += sums[name] * batch ** 2
-                self.numels[i] += h.numel()
+                self.apical.log(i, sums, batch, h.numel())
         segments.inject(used, batch)
         if step is not None:
             self.steps += 1
             if self.steps % self.params.predictor_every == 0:
-                self.predict(hs)
+                self.apical.predict(hs)
             if self.steps % self.params.pert_every == 0:
                 self.calibrate(x, y)
         return StepResult(loss.detach(), logits.detach(), instructions if record else None)
-
-    def predict(self, hs) -> None:
-        """One NLMS step of each unit's predictor on instruction-off (h, T = g C h)."""
-        for i, h in enumerate(hs):
-            traffic = (self.coefficients[i] * self.gains[i]) * h
-            numba_kernels.predictor_update(h.contiguous(), traffic.contiguous(), self.P[i],
-                                           self.b[i], self.params.predictor_lr)
-        self.predictor_updates += 1
-        self.predictor_examples += len(hs[0])
 
     # -- calibration ---------------------------------------------------------------------
 
@@ -485,7 +455,7 @@ class SDIL(Rule):
                              y[:p.traffic_calibration_examples])
         for _ in range(p.predictor_warmup_steps):
             hs, _ = self._clean(*_draw_batch(x, y, p.predictor_batch, self.batch_generator))
-            self.predict(hs)
+            self.apical.predict(hs)
 
     @torch.no_grad()
     def calibrate_gains(self, x, y, batch_size: int = 256):
@@ -495,54 +465,42 @@ class SDIL(Rule):
         for start in range(0, len(y), batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
             hs, logits = self._clean(xb, yb)
+            squares = self.apical.traffic.unit_squares(hs)
             for i, ins in enumerate(self.instruction(output_error(logits, yb), hs)):
                 ss_i[i] += float(ins.double().square().sum())
-                ss_ch[i] += float((self.coefficients[i].double() * hs[i].double())
-                                  .square().sum())
-        self.gains = calibrated_gains(self.name, self.params.traffic_ratio, ss_i, ss_ch,
+                ss_ch[i] += squares[i]
+        self.apical.traffic.calibrate(self.name, self.params.traffic_ratio, ss_i, ss_ch,
                                       next(self.model.parameters()).dtype)
         self.gain_examples = len(y)
 
     # -- diagnostics, state, bill ------------------------------------------------------
 
     def epoch_metrics(self):
-        apical = apical_rms(self.model.population_names, self.sums, self.numels)
-        self._reset_sums()
+        apical = self.apical.epoch_rms(self.model.population_names)
         return {"apical": apical, "perturbation": self.estimator.counts(),
                 "calibration": {"events": self.events, "fit": self.fit}}
 
     def final_metrics(self, x, y):
-        return {"perturbation": self.estimator.counts(), "gains": list(self.gains),
+        return {"perturbation": self.estimator.counts(), "gains": list(self.apical.gains),
                 "calibration": {"events": self.events, "fit": self.fit,
                                 "examples": self.calibration_examples}}
 
     def state_dict(self):
-        clone = _cloned
-        return {"A": clone(self.A), "coefficients": clone(self.coefficients),
-                "P": clone(self.P), "b": clone(self.b), "gains": list(self.gains),
+        return {"A": _cloned(self.A), **self.apical.state_dict(),
                 "generator": self.generator.get_state(),
                 "batch_generator": self.batch_generator.get_state(),
                 "estimator": self.estimator.state_dict(), "steps": self.steps,
                 "events": self.events, "calibration_examples": self.calibration_examples,
-                "predictor_updates": self.predictor_updates, "fit": self.fit,
-                "predictor_examples": self.predictor_examples,
-                "gain_examples": self.gain_examples,
-                "sums": {k: list(v) for k, v in self.sums.items()},
-                "numels": list(self.numels)}
+                "fit": self.fit, "gain_examples": self.gain_examples}
 
     def load_state_dict(self, state):
         self.A = _cloned(state["A"])
-        self.coefficients = _cloned(state["coefficients"])
-        self.P, self.b = _cloned(state["P"]), _cloned(state["b"])
-        self.gains = list(state["gains"])
+        self.apical.load_state_dict(state)
         self.generator.set_state(state["generator"])
         self.batch_generator.set_state(state["batch_generator"])
         self.estimator.load_state_dict(state["estimator"])
-        for key in ("steps", "events", "calibration_examples", "predictor_updates", "fit",
-                    "predictor_examples", "gain_examples"):
+        for key in ("steps", "events", "calibration_examples", "fit", "gain_examples"):
             setattr(self, key, state[key])
-        self.sums = {k: list(v) for k, v in state["sums"].items()}
-        self.numels = list(state["numels"])
 
     def work(self, layer_macs, examples):
         forward = sum(layer_macs.values())
@@ -561,9 +519,9 @@ class SDIL(Rule):
         return out
 
     def elementwise(self, examples):
-        units = sum(p.numel() for p in self.P if p is not None)
-        updates = self.predictor_examples * 8 * units  # warm-up and training batches
-        return {"mixed_apical": 12 * units * examples, "predictor": updates,
+        units = self.apical.predictor.units
+        return {"mixed_apical": 12 * units * examples,
+                "predictor": self.apical.predictor_elementwise(),
                 "perturbation": self.estimator.elementwise()}
 
 

@@ -1,46 +1,31 @@
 """Kolen-Pollack with a mixed apical compartment (``kp_traffic``; DESIGN section 5, MT-1).
 
-Pyramidal neurons receive the top-down teaching signal in their apical
-dendrites, where it mixes with other traffic, e.g. soma-coupled activity
-(Guerguiev, Lillicrap & Richards 2017, "Towards deep learning with segregated
-dendrites"; Payeur et al. 2021, "Burst-dependent synaptic plasticity can
-coordinate learning in hierarchical circuits"). This rule asks what such
-traffic does to Kolen-Pollack learning (Akrout et al. 2019), and whether a
-local predictor of the traffic can remove it. At every population h with KP
-instruction I (d sum-loss / dh through the feedback tensors B):
-
-- traffic T = g C h, with fixed per-unit C = exp(0.25 N(0, 1)) and a
-  per-population gain g calibrated once so that RMS(T) / RMS(I) =
-  ``traffic_ratio`` on the first ``traffic_calibration_examples`` examples;
-- raw R = I + T; innovation N = R - (P h + b) with a per-unit affine
-  predictor (P, b); matched M = R ||N|| / ||R|| per example;
-- ``traffic_rule`` picks the signal U that drives plasticity: the weight
-  correlation of the layer that produced h, its norm's parameters, and (KP)
-  the feedback update, so W and B still receive equal updates. ``none`` is
-  the clean reference of the MT-1 study: the traffic is formed, calibrated,
-  predicted and logged exactly as for the others, but plasticity takes the
-  instruction, so the run is clean KP (tested: the same updates to rounding).
+This rule asks what soma-coupled traffic in the apical compartment (``apical.py``:
+T = g C h, the raw / innovation / matched signals, the per-unit predictor, in the
+seed's descent convention with ``traffic_sign``) does to Kolen-Pollack learning
+(Akrout et al. 2019), and whether the local predictor can remove it. At every
+population h the instruction I is KP's (d loss / dh through the feedback tensors
+B); ``traffic_rule`` picks the signal U that drives plasticity: the weight
+correlation of the layer that produced h, its norm's parameters, and (KP) the
+feedback update, so W and B still receive equal updates. ``none`` is the clean
+reference of the MT-1 study: the traffic is formed, calibrated, predicted and
+logged as for the others, but plasticity takes the instruction.
 
 Transport is clean: the backward pass carries I, unchanged, to the lower
-populations; U enters only the local plasticity. It costs no extra
-multiply-accumulates and no extra memory passes. At each population the rule
-takes over the backward step from h to the output o of the layer that made it
-(a ``torch.autograd.Function`` standing in for h on the tap): one fused kernel
-(``numba_kernels.mixed_local``) reads I, h and o twice, as autograd's ReLU,
-residual-scale and batch-norm backward would for I alone, and writes the
-instruction's gradient at o (passed on to the layer's input-gradient product
-through B, and to the shortcut as the ReLU's masked I) together with the used
-signal's (the layer's weight-gradient product, computed once from it with the
-conv weights out of autograd for the step, and the norm's parameter
-gradients), forming the signals' sums of squares on the way. With no traffic
-U = I exactly and the updates are clean KP's to rounding (the norm's backward
-is the kernel's, not ATen's).
+populations; U enters only the local plasticity, at no extra multiply-accumulates
+or memory passes. At each population the rule takes over the backward step from h
+to the output o of the layer that made it (a ``torch.autograd.Function`` standing
+in for h on the tap): one fused kernel (``numba_kernels.mixed_local``) reads I, h
+and o twice, as autograd's ReLU, residual-scale and batch-norm backward would for
+I alone, and writes the instruction's gradient at o (passed on through B, and to
+the shortcut as the ReLU's masked I) together with the used signal's (the layer's
+weight-gradient product, computed once from it, and the norm's parameter
+gradients). With no traffic U = I and the updates are clean KP's to rounding.
 
-The predictor learns only from instruction-off observations of its own unit,
-i.e. (h, T) pairs, by normalised LMS (``numba_kernels.predictor_update``):
-``predictor_warmup_steps`` forward passes before training (batches drawn by
-the rule's own generator, so the training data order is untouched; BN
-running statistics untouched), then every ``predictor_every`` steps.
+The predictor learns only from instruction-off observations (h, T):
+``predictor_warmup_steps`` forward passes before training (batches drawn by the
+rule's own generator, so the training data order is untouched; BN running
+statistics untouched), then every ``predictor_every`` steps.
 """
 
 from __future__ import annotations
@@ -53,28 +38,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import numba_kernels
-
 from ..config import SEED_MAX, ConfigError, bounded, choice, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
+from .apical import (
+    LEGACY_PARAMS,
+    SIGNALS,
+    TRAFFIC_RATIO_MAX,
+    TRAFFIC_RULES,
+    TRAFFIC_SIGNS,
+    Apical,
+    check_calibrated,
+)
 from .base import StepResult, check_example_needs
-from .common import derive_seed, parameters_frozen
+from .common import backprop_reference, cosine_per_example, derive_seed, parameters_frozen
 from .feedback import KolenPollack
 from .registry import register
-
-TRAFFIC_RATIO_MAX = 1e4
-
-SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
 
 
 @dataclass(frozen=True)
 class TrafficParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)
-    traffic_rule: str = choice("innovation", ("none", *numba_kernels.RULES))
-    # RMS(T) / RMS(I) after calibration; above 1e4 the instruction is below a thousandth
-    # of the traffic's float32 rounding-free part (eps 1.2e-7 x 1e4 ~ 1e-3 of I)
+    traffic_rule: str = choice("innovation", TRAFFIC_RULES)
     traffic_ratio: float = bounded(4.0, 0.0, TRAFFIC_RATIO_MAX)
     traffic_seed: int = bounded(0, 0, SEED_MAX)
     traffic_calibration_examples: int = bounded(512, 1)
@@ -84,6 +70,9 @@ class TrafficParams:
     predictor_every: int = bounded(10, 1)
     predictor_warmup_steps: int = bounded(100, 0)
     predictor_batch: int = bounded(128, 1)  # examples per warm-up pass
+    # hebbian: the traffic is added to the descent direction (the seed's); anti_hebbian:
+    # to the gradient (what runs made before this parameter existed did).
+    traffic_sign: str = choice("hebbian", TRAFFIC_SIGNS)
 
     def __post_init__(self):
         validate(self)
@@ -112,18 +101,28 @@ def _producers(model: ResNet) -> list[_Producer]:
     return out
 
 
-def _save_stats(step: _Step):
-    """A forward hook keeping the batch mean and inverse std a BatchNorm normalised with."""
-    def hook(norm, inputs, output):
-        node = output.grad_fn
-        if node is not None and type(node).__name__ == "NativeBatchNormBackward0":
-            step.stats[id(norm)] = (node._saved_result1, node._saved_result2)
-        else:  # no graph here (the stem's input needs no gradient): the same kernel again
-            with torch.no_grad():
-                _, mean, invstd = torch.native_batch_norm(
-                    inputs[0], norm.weight, norm.bias, None, None, True, 0.0, norm.eps)
-            step.stats[id(norm)] = (mean, invstd)
-    return hook
+@contextlib.contextmanager
+def _keeping_stats(norm: nn.Module, stats: dict):
+    """The norm's training-mode forward as ``nn.BatchNorm`` runs it, keeping the batch mean
+    and inverse std it normalised with (the fused backward needs them)."""
+    def forward(x):
+        factor = 0.0 if norm.momentum is None else norm.momentum
+        track = norm.track_running_stats  # off inside preserved_norm_stats
+        if track and norm.num_batches_tracked is not None:
+            norm.num_batches_tracked.add_(1)
+            if norm.momentum is None:  # a cumulative moving average
+                factor = 1.0 / float(norm.num_batches_tracked)
+        out, mean, invstd = torch.native_batch_norm(
+            x, norm.weight, norm.bias, norm.running_mean if track else None,
+            norm.running_var if track else None, True, factor, norm.eps)
+        stats[id(norm)] = (mean.detach(), invstd.detach())
+        return out
+
+    norm.forward = forward  # an instance attribute, over the class's method
+    try:
+        yield
+    finally:
+        del norm.forward
 
 
 def _conv_weight_grad(conv, signal: torch.Tensor, x: torch.Tensor):
@@ -177,6 +176,7 @@ class KolenPollackTraffic(KolenPollack):
 
     name = "kp_traffic"
     Params = TrafficParams
+    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("feedback/mean_cos", "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_raw/mean", "apical/rms_innovation/mean",
                    "apical/rms_traffic/mean")
@@ -194,40 +194,16 @@ class KolenPollackTraffic(KolenPollack):
             raise ConfigError(f"rule 'kp_traffic' needs a lab.models.ResNet (its populations "
                               f"are known by layer), got {type(model).__name__}")
         self.producers = _producers(model)
-        n = len(self.producers)
-        # Per-unit tensors, one entry per element of a population's per-example shape;
-        # that shape depends on the data, so they are made when a population is first seen.
-        self.coefficients: list[torch.Tensor | None] = [None] * n
-        self.P: list[torch.Tensor | None] = [None] * n
-        self.b: list[torch.Tensor | None] = [None] * n
-        self.gains = [0.0] * n
+        self.apical = Apical(self.name, len(self.producers), self.params, seed, "traffic")
         self.predictor_generator = torch.Generator().manual_seed(
             derive_seed(seed, "predictor", self.params.traffic_seed))
         self.warmup = {"first_ratio": math.nan, "last_ratio": math.nan}
         self.calibration_examples = 0
-        self.predictor_updates = 0
-        self.predictor_examples = 0  # examples the predictor updates saw (the bill)
+        self.summed_steps = 0
         self.last_h: dict[int, torch.Tensor] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}  # see _PopulationStep
-        self._reset_sums()
 
-    # -- shapes, taps, hooks --------------------------------------------------
-
-    def _ensure_shapes(self, step: _Step) -> None:
-        """Size the per-unit tensors to the data's populations the first time they are seen."""
-        for i, h in step.h.items():
-            shape = tuple(h.shape[1:])
-            if self.P[i] is not None and tuple(self.P[i].shape) != shape:
-                raise ValueError(f"kp_traffic: population {i} has per-example shape {shape}, "
-                                 f"but the rule's per-unit tensors have {tuple(self.P[i].shape)}")
-            if self.P[i] is None:
-                # C = exp(0.25 N(0, 1)) per unit, fixed by the run seed and traffic_seed.
-                generator = torch.Generator().manual_seed(
-                    derive_seed(self.seed, "traffic", self.params.traffic_seed, i))
-                self.coefficients[i] = torch.exp(0.25 * torch.randn(
-                    shape, generator=generator, dtype=torch.float64)).to(h)
-                self.P[i] = torch.zeros(shape, dtype=h.dtype, device=h.device)
-                self.b[i] = torch.zeros(shape, dtype=h.dtype, device=h.device)
+    # -- taps and hooks ----------------------------------------------------------------
 
     @contextlib.contextmanager
     def _recording(self, step: _Step):
@@ -245,14 +221,16 @@ class KolenPollackTraffic(KolenPollack):
                 step.inputs[index] = inputs[0].detach()
                 step.outputs[index] = output
             handles.append(p.conv.register_forward_hook(save))
-            if p.batchnorm is not None:
-                handles.append(p.norm.register_forward_hook(_save_stats(step)))
             frozen += [t for t in (p.conv.weight, p.conv.bias)
                        if t is not None and t.requires_grad]
         for t in frozen:
             t.requires_grad_(False)
         try:
-            yield
+            with contextlib.ExitStack() as norms:
+                for p in self.producers:
+                    if p.batchnorm is not None:
+                        norms.enter_context(_keeping_stats(p.norm, step.stats))
+                yield
         finally:
             for t in frozen:
                 t.requires_grad_(True)
@@ -260,12 +238,6 @@ class KolenPollackTraffic(KolenPollack):
                 handle.remove()
 
     # -- the step ---------------------------------------------------------------
-
-    def _reset_sums(self):
-        n = len(self.producers)
-        self.sums = {s: [0.0] * n for s in SIGNALS}
-        self.numels = [0] * n
-        self.summed_steps = 0
 
     def compute_gradients(self, x, y, step, record=False):
         if step is not None:  # a training step (a diagnostic call may probe shapes first)
@@ -298,7 +270,7 @@ class KolenPollackTraffic(KolenPollack):
         try:
             with self._recording(rec):
                 logits = self.model(x, tap=tap)  # (B, n_classes)
-                self._ensure_shapes(rec)
+                self.apical.ensure(rec.h)
                 loss = F.cross_entropy(logits, y)
                 loss.backward()
         finally:
@@ -309,7 +281,7 @@ class KolenPollackTraffic(KolenPollack):
             self.steps += 1
             self.summed_steps += 1
             if self.steps % self.params.predictor_every == 0:
-                self.predict(rec.h)
+                self.apical.predict(rec.h)
         self.last_h = rec.h  # the populations of this step (diagnostics and tests)
         out = [teaching[i] for i in sorted(teaching)] if record else None
         return StepResult(loss.detach(), logits.detach(), out)
@@ -332,9 +304,6 @@ class KolenPollackTraffic(KolenPollack):
         p, h, batch = self.producers[index], rec.h[index], rec.batch
         if teaching is not None:
             teaching[index] = g * batch  # (B, *U) the instruction, d sum-loss / dh
-        # The kernel works in the gradient's own (batch-mean) units: traffic and
-        # predictor scaled by 1 / B.
-        gain, P, b = self.gains[index] / batch, self.P[index] / batch, self.b[index] / batch
         rule = self.params.traffic_rule
         stats = {}
         if p.batchnorm is not None:
@@ -342,13 +311,12 @@ class KolenPollackTraffic(KolenPollack):
             weight = p.norm.weight  # None for a norm without affine parameters
             stats = dict(mean=mean, invstd=invstd,
                          gamma=None if weight is None else weight.detach())
-        res = numba_kernels.mixed_local(
-            g, h, rec.outputs[index].detach(), self.coefficients[index], gain, P, b, rule,
-            scale=p.scale, instruction=needs[1] and rule != "none", masked=needs[4], **stats)
+        res = self.apical.local(index, g, h, rec.outputs[index].detach(), batch, scale=p.scale,
+                                instruction=needs[1] and rule != "none", masked=needs[4],
+                                **stats)
         if rec.logged:
-            for name in SIGNALS:  # back to d sum-loss / dh units
-                self.sums[name][index] += float(getattr(res, f"ss_{name}")) * batch ** 2
-            self.numels[index] += h.numel()
+            self.apical.log(index, {name: getattr(res, f"ss_{name}") for name in SIGNALS},
+                            batch, h.numel())
         grad_w, grad_b = _conv_weight_grad(p.conv, res.grad, rec.inputs[index])
         p.conv.weight.grad = grad_w
         if p.conv.bias is not None:
@@ -356,15 +324,6 @@ class KolenPollackTraffic(KolenPollack):
         clean = res.grad if rule == "none" else res.instruction_grad
         return (clean if needs[1] else None, res.dgamma if needs[2] else None,
                 res.dbeta if needs[3] else None, res.masked)
-
-    def predict(self, hs: dict[int, torch.Tensor]) -> None:
-        """One predictor step on instruction-off observations (h, T = g C h) of each unit."""
-        for i, h in hs.items():
-            traffic = (self.coefficients[i] * self.gains[i]) * h
-            numba_kernels.predictor_update(h, traffic, self.P[i], self.b[i],
-                                           self.params.predictor_lr)
-        self.predictor_updates += 1
-        self.predictor_examples += len(next(iter(hs.values())))
 
     # -- before training: calibration and predictor warm-up -----------------------
 
@@ -394,7 +353,7 @@ class KolenPollackTraffic(KolenPollack):
         with preserved_norm_stats(self.model), parameters_frozen(self.model):
             loss = F.cross_entropy(self.model(x, tap=tap), y)
             loss.backward()
-        self._ensure_shapes(rec)
+        self.apical.ensure(rec.h)
         return [rec.h[i] for i in sorted(rec.h)], [teaching[i] for i in sorted(teaching)]
 
     def calibrate(self, x, y, batch_size: int = 256) -> None:
@@ -405,10 +364,10 @@ class KolenPollackTraffic(KolenPollack):
         self.model.train()
         for start in range(0, len(y), batch_size):
             hs, ins = self.instructions(x[start:start + batch_size], y[start:start + batch_size])
-            for i in range(n):
-                ss_i[i] += float(ins[i].double().square().sum())
-                ss_ch[i] += float((self.coefficients[i].double() * hs[i].double()).square().sum())
-        self.gains = calibrated_gains(self.name, self.params.traffic_ratio, ss_i, ss_ch,
+            for i, (t, ch) in enumerate(zip(ins, self.apical.traffic.unit_squares(hs))):
+                ss_i[i] += float(t.double().square().sum())
+                ss_ch[i] += ch
+        self.apical.traffic.calibrate(self.name, self.params.traffic_ratio, ss_i, ss_ch,
                                       next(self.model.parameters()).dtype)
         self.calibration_examples = len(y)
 
@@ -423,33 +382,21 @@ class KolenPollackTraffic(KolenPollack):
                 rec = _Step()
                 self.model(x[pick.to(x.device)],
                            tap=lambda i, h, r=rec: r.h.__setitem__(i, h.detach()) or h)
-                self._ensure_shapes(rec)
-                ratios.append(self.residual_ratio(rec.h))
-                self.predict(rec.h)
+                self.apical.ensure(rec.h)
+                ratios.append(self.apical.residual_ratio(rec.h))
+                self.apical.predict(rec.h)
         if ratios:
             self.warmup = {"first_ratio": ratios[0], "last_ratio": ratios[-1]}
-
-    def residual_ratio(self, hs: dict[int, torch.Tensor]) -> float:
-        """RMS of the predictor's residual T - (P h + b) over RMS(T), all populations
-        (NaN when no population carries any traffic: every unit silent)."""
-        ss_r = ss_t = 0.0
-        for i, h in hs.items():
-            t = (self.coefficients[i] * self.gains[i]) * h
-            ss_r += float((t - (self.P[i] * h + self.b[i])).double().square().sum())
-            ss_t += float(t.double().square().sum())
-        return math.sqrt(ss_r / ss_t) if ss_t > 0 else math.nan
 
     # -- diagnostics, state, bill ---------------------------------------------------
 
     def epoch_metrics(self):
-        apical = apical_rms(self.model.population_names, self.sums, self.numels)
-        self._reset_sums()
-        return {**super().epoch_metrics(), "apical": apical}
+        self.summed_steps = 0
+        return {**super().epoch_metrics(),
+                "apical": self.apical.epoch_rms(self.model.population_names)}
 
     def final_metrics(self, x, y) -> dict:
         """Predictor residual ratio and each signal's alignment with the true gradient."""
-        from ..diagnostics.alignment import backprop_reference, cosine_per_example
-
         names = self.model.population_names
         with preserved_norm_stats(self.model):
             self.model.train()
@@ -463,9 +410,8 @@ class KolenPollackTraffic(KolenPollack):
                 m.feedback = b
         cos = {s: {} for s in ("instruction", "raw", "innovation", "matched", "used")}
         for i, (h, ins_i) in enumerate(zip(hs, ins)):
-            signals = {rule: numba_kernels.mixed_apical(
-                ins_i, h, self.coefficients[i], self.gains[i], self.P[i], self.b[i],
-                rule).used for rule in ("raw", "innovation", "matched")}
+            signals = {rule: self.apical.signals(i, ins_i, h, rule=rule).used
+                       for rule in ("raw", "innovation", "matched")}
             signals["instruction"] = ins_i
             signals["used"] = signals[self.params.traffic_rule if self.params.traffic_rule
                                       != "none" else "instruction"]
@@ -474,34 +420,23 @@ class KolenPollackTraffic(KolenPollack):
         # A population whose layer above fell silent receives no instruction: its cosine
         # is undefined (NaN) and left out of the mean, and the silent ones are counted.
         alignment = {s: {**c, "mean": _nanmean(c.values())} for s, c in cos.items()}
-        return {"predictor_residual_ratio": self.residual_ratio(dict(enumerate(hs))),
+        return {"predictor_residual_ratio": self.apical.residual_ratio(hs),
                 "silent_populations": sum(int(h.abs().max() == 0) for h in hs),
-                "warmup": dict(self.warmup), "gains": list(self.gains),
+                "warmup": dict(self.warmup), "gains": list(self.apical.gains),
                 "signal_alignment": alignment}
 
     def state_dict(self):
-        return {**super().state_dict(), "gains": list(self.gains),
-                "coefficients": _cloned(self.coefficients), "P": _cloned(self.P),
-                "b": _cloned(self.b),
+        return {**super().state_dict(), **self.apical.state_dict(),
                 "predictor_generator": self.predictor_generator.get_state(),
                 "warmup": dict(self.warmup), "calibration_examples": self.calibration_examples,
-                "predictor_updates": self.predictor_updates,
-                "predictor_examples": self.predictor_examples,
-                "sums": {k: list(v) for k, v in self.sums.items()},
-                "numels": list(self.numels), "summed_steps": self.summed_steps}
+                "summed_steps": self.summed_steps}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.gains = list(state["gains"])
-        self.coefficients = _cloned(state["coefficients"])
-        self.P, self.b = _cloned(state["P"]), _cloned(state["b"])
+        self.apical.load_state_dict(state)
         self.predictor_generator.set_state(state["predictor_generator"])
         self.warmup = dict(state["warmup"])
         self.calibration_examples = state["calibration_examples"]
-        self.predictor_updates = state["predictor_updates"]
-        self.predictor_examples = state["predictor_examples"]
-        self.sums = {k: list(v) for k, v in state["sums"].items()}
-        self.numels = list(state["numels"])
         self.summed_steps = state["summed_steps"]
 
     def work(self, layer_macs, examples):
@@ -516,7 +451,7 @@ class KolenPollackTraffic(KolenPollack):
         return out
 
     def elementwise(self, examples):
-        units = sum(p.numel() for p in self.P if p is not None)
+        units = self.apical.predictor.units
         if self.params.traffic_rule == "none":  # signals and sums of squares only
             apical = {"mixed_apical": 12 * units * examples}
         else:
@@ -524,55 +459,10 @@ class KolenPollackTraffic(KolenPollack):
             # would do for I): traffic, raw, innovation, the used signal, its masked
             # sums and write, and four sums of squares, over both passes.
             apical = {"mixed_local": 30 * units * examples}
-        updates = self.predictor_examples * 8 * units  # warm-up and training batches
-        return {**super().elementwise(examples), **apical, "predictor": updates}
-
-
-def calibrated_gains(rule: str, ratio: float, ss_i: list, ss_ch: list, dtype) -> list:
-    """g_l = ratio x RMS(I_l) / RMS(C_l h_l) from the sums of squares over the calibration
-    examples (0 where C h is all zero); ConfigError if a gain leaves ``dtype``'s range."""
-    gains = [ratio * math.sqrt(si / sc) if sc > 0 else 0.0 for si, sc in zip(ss_i, ss_ch)]
-    largest = torch.finfo(dtype).max
-    for i, g in enumerate(gains):
-        if not g < largest:  # also NaN
-            raise ConfigError(
-                f"{rule}: rule_params.traffic_ratio={ratio} calibrates population {i}'s gain "
-                f"to {g:.3g} (RMS(I) / RMS(C h) = {math.sqrt(ss_i[i] / ss_ch[i]):.3g}), beyond "
-                f"{dtype}'s range; use a smaller traffic_ratio")
-    return gains
-
-
-def check_calibrated(rule, examples: int) -> None:
-    """Refuse a step before ``prepare`` calibrated the traffic gains.
-
-    Uncalibrated, every gain is 0: no traffic at all, and the step would be clean
-    KP while ``traffic_ratio`` asks for traffic (and the logged RMS would say 0).
-    ``examples``: how many examples the gains were calibrated on (0: never). Gains
-    set by hand (any non-zero) are taken as they are.
-    """
-    ratio = rule.params.traffic_ratio
-    if examples == 0 and ratio > 0 and not any(rule.gains):
-        raise RuntimeError(
-            f"{rule.name}: the traffic gains are not calibrated (all 0, so no traffic would "
-            f"mix in although rule_params.traffic_ratio={ratio}): call rule.prepare(x, y) "
-            f"with training examples and their labels before the first step (lab's "
-            f"trainers do; a resumed run restores the gains through load_state_dict)")
-
-
-def apical_rms(names: list[str], sums: dict, numels: list[int]) -> dict:
-    """Per signal, the RMS at each population over the summed steps, and their mean."""
-    apical = {}
-    for s in SIGNALS:
-        per = {names[i]: math.sqrt(sums[s][i] / numels[i]) if numels[i] else math.nan
-               for i in range(len(names))}
-        apical[f"rms_{s}"] = {**per, "mean": sum(per.values()) / len(per)}
-    return apical
+        return {**super().elementwise(examples), **apical,
+                "predictor": self.apical.predictor_elementwise()}
 
 
 def _nanmean(values) -> float:
     kept = [v for v in values if not math.isnan(v)]
     return sum(kept) / len(kept) if kept else math.nan
-
-
-def _cloned(tensors: list) -> list:
-    return [None if t is None else t.clone() for t in tensors]
