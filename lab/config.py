@@ -1,28 +1,28 @@
-"""Validated, frozen configuration dataclasses.
+"""Frozen, validated configs: pydantic v2 dataclasses with one error format.
 
-Every config in `lab` (trainers, rules, protocols) is a frozen dataclass of
-primitives. Declaring a field with :func:`choice` or :func:`bounded` attaches
-its constraint; :func:`validate` (called from ``__post_init__``) checks the
-type and the constraint of every field, and :func:`from_dict` refuses unknown
-keys. Each error names the key, the value and what is allowed, because a
-researcher reads them in a notebook traceback, far from this code.
+Every config in `lab` (trainers, rules, protocols) is a frozen dataclass of primitives
+declared with :func:`configclass`. Pydantic checks each field on construction, strictly
+(a string is not a number, a bool is not an int), with its :func:`bounded` interval or
+:func:`choice` options, and refuses unknown keys; :func:`_refusal` turns its report into
+one :class:`ConfigError` paragraph naming the key, the value and what is allowed, because
+a researcher reads it in a notebook traceback or on the command line, far from this code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
-import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import pydantic
 import yaml
+from pydantic_core import PydanticCustomError
 
 # Fields that change what is shown, never what is computed: they are left out of a
 # run's identity (resume and sweep comparisons), so toggling a progress bar
@@ -36,7 +36,6 @@ OPERATIONAL = frozenset({"checkpoint_every"})
 # The largest seed every generator a run seeds accepts (torch takes a signed 64-bit
 # integer): a seed field is ``bounded(0, 0, SEED_MAX)``.
 SEED_MAX = 2**63 - 1
-INT64_MAX = 2**63 - 1  # the largest count a config takes (a torch / numpy int64)
 
 
 def identity(config: dict) -> dict:
@@ -55,46 +54,151 @@ def choice(default: Any, options: tuple) -> Any:
     return dataclasses.field(default=default, metadata={"choices": tuple(options)})
 
 
-def bounded(
-    default: Any,
-    lo: float | None = None,
-    hi: float | None = None,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> Any:
-    """A numeric field constrained to an interval (closed unless ``*_open``)."""
-    return dataclasses.field(
-        default=default,
-        metadata={"range": (lo, hi, lo_open, hi_open)},
-    )
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, *,
+            lo_open: bool = False, hi_open: bool = False) -> Any:
+    """A finite number in an interval (closed unless ``*_open``). Pydantic reads the
+    bounds from the field's metadata; ``range`` is what an error shows."""
+    limits = {"gt" if lo_open else "ge": lo, "lt" if hi_open else "le": hi}
+    return dataclasses.field(default=default, metadata={
+        **{key: value for key, value in limits.items() if value is not None},
+        "allow_inf_nan": False, "range": (lo, hi, lo_open, hi_open)})
 
 
-def _type_ok(value: Any, annotation: Any) -> bool:
-    if annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    # bool is a subclass of int: a flag where a count belongs is a mistake.
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin is dict or annotation is dict:
-        return isinstance(value, dict)
-    if origin is tuple or annotation is tuple:
-        return isinstance(value, tuple)
-    return isinstance(value, annotation)
+class RunConfig:
+    """The run fields every trainer's config shares, declared once here.
+
+    A trainer's config extends it (``@configclass class ConvConfig(RunConfig)``);
+    :func:`configclass` lists these after the trainer's own fields, as the training
+    notebooks' parameters cells do, and a trainer redeclares one only to change its
+    default (``checkpoint_every`` counts epochs in one trainer, steps in another).
+    """
+
+    seed: int = bounded(0, 0, SEED_MAX)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    threads: int = bounded(0, 0)  # 0 = torch's default
+    checkpoint_every: int = bounded(1, 0)  # rows (epochs or steps); 0 = only at the end
+    progress: bool = True  # display only: not part of a run's identity
 
 
-# YAML 1.1 (and many tools) read these as booleans; parameter files and -p read YAML 1.2,
-# where only true/false are.
-_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+# Strict: a string is not a number, a bool is not an int, an int is not a str (YAML and -p
+# values arrive typed); numpy numbers, lists and paths are made plain first (_plain).
+_STRICT = pydantic.ConfigDict(extra="forbid", strict=True)
+
+
+def configclass(cls):
+    """Class decorator: ``cls`` as a frozen pydantic dataclass of validated fields.
+
+    Each field is checked on construction (also by ``dataclasses.replace``); a refused
+    key or value raises :class:`ConfigError`, and so does a ``__post_init__`` check.
+    ``dataclasses.fields``, ``replace`` and ``asdict`` work as on any dataclass.
+    """
+    _fields_of_plain_bases_last(cls)
+    hints = typing.get_type_hints(cls)
+    for name in cls.__annotations__:
+        hint = hints[name]
+        if typing.get_origin(hint) is typing.ClassVar:
+            continue
+        checks = [pydantic.BeforeValidator(functools.partial(_plain, hint))]
+        if _accepts(hint, float) and not _accepts(hint, int):
+            checks.append(pydantic.WrapValidator(_keep_int))
+        spec = getattr(cls, name, None)
+        if isinstance(spec, dataclasses.Field) and "choices" in spec.metadata:
+            checks.append(pydantic.AfterValidator(functools.partial(_one_of,
+                                                                    spec.metadata["choices"])))
+        cls.__annotations__[name] = Annotated[(hint, *checks)]
+    made = pydantic.dataclasses.dataclass(frozen=True, config=_STRICT)(cls)
+    init = made.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except pydantic.ValidationError as err:
+            raise _refusal(made, err) from None
+
+    made.__init__ = __init__
+    return made
+
+
+def _fields_of_plain_bases_last(cls) -> None:
+    """Fold the fields declared on plain (non-dataclass) bases, :class:`RunConfig`'s, into
+    ``cls``'s own, after them; one the class redeclares keeps its place there."""
+    shared = {}
+    for base in reversed(cls.__mro__[1:-1]):
+        if not dataclasses.is_dataclass(base):
+            shared.update(vars(base).get("__annotations__", {}))
+    if not shared:
+        return
+    own = dict(vars(cls).get("__annotations__", {}))
+    cls.__annotations__ = {**{name: hint for name, hint in own.items() if name not in shared},
+                           **{name: own.get(name, hint) for name, hint in shared.items()}}
+    for name in shared.keys() - own.keys():
+        spec = getattr(cls, name)
+        if isinstance(spec, dataclasses.Field):  # a Field belongs to one class: a copy each
+            setattr(cls, name, dataclasses.field(default=spec.default,
+                                                 default_factory=spec.default_factory,
+                                                 metadata=spec.metadata))
+
+
+def _keep_int(value: Any, handler) -> Any:
+    """A float field's check, keeping an int given as the int: records store ``1`` as the
+    researcher wrote it, not ``1.0`` (a run's identity is its config's JSON)."""
+    checked = handler(value)
+    return value if type(value) is int else checked
+
+
+def _one_of(choices: tuple, value: Any) -> Any:
+    if value not in choices:
+        raise PydanticCustomError("choice", "not one of the field's choices")
+    return value
+
+
+def plain_number(value: Any, annotation: Any) -> Any:
+    """A numpy integer, floating or bool scalar as the Python int, float or bool the field
+    takes (grids built with numpy hand them over; records and run hashes stay plain
+    JSON); any other value, or a numpy scalar the field would refuse, as it is."""
+    if not isinstance(value, np.generic):
+        return value
+    plain = _python_scalar(value)
+    kind = type(plain)
+    takes = annotation is Any or _accepts(annotation, kind) or (
+        kind is int and _accepts(annotation, float))
+    return plain if takes and kind is not type(value) else value
+
+
+def _python_scalar(value: Any) -> Any:
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        # float32(0.1) is 0.10000000149011612 as a float: the number the researcher wrote
+        # is the shortest text that gives the float32 back (numpy's str), so that is kept
+        return float(str(value)) if value.dtype.itemsize < 8 else float(value)
+    return value
+
+
+def _plain(hint: Any, value: Any) -> Any:
+    """What a field stores for a value given in another form: a numpy number as the Python
+    one (:func:`plain_number`; numpy numbers in a tuple too: a checkpoint holding them
+    cannot be read back with ``torch.load(weights_only=True)``), a list as the tuple a
+    YAML file or JSON record carries it as, a ``pathlib.Path`` as its text."""
+    if isinstance(value, np.generic):
+        return plain_number(value, hint)
+    if isinstance(value, list) and _accepts(hint, tuple) and not _accepts(hint, list):
+        value = tuple(value)
+    if isinstance(value, tuple):
+        return _plain_items(value)
+    if isinstance(value, os.PathLike) and _accepts(hint, str):
+        text = os.fspath(value)
+        return text if isinstance(text, str) else value  # a bytes path: refused as bytes
+    return value
+
+
+def _plain_items(value: tuple) -> tuple:
+    items = tuple(_plain_items(v) if isinstance(v, tuple) else _python_scalar(v)
+                  for v in value)
+    return value if all(a is b for a, b in zip(items, value)) else items
 
 
 def _accepts(annotation: Any, kind: type) -> bool:
@@ -102,6 +206,58 @@ def _accepts(annotation: Any, kind: type) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_accepts(arg, kind) for arg in typing.get_args(annotation))
     return annotation is kind or typing.get_origin(annotation) is kind
+
+
+# ---------------------------------------------------------------------------
+# pydantic's report as one paragraph
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",
+                           "less_than_equal", "finite_number"})
+
+
+def _refusal(cls, err: pydantic.ValidationError) -> Exception:
+    """The error a refused construction raises: an unknown key lists the known fields; a
+    value out of range shows the interval, one not among the choices lists them, one of
+    the wrong type names the type wanted (and how to write it, for text that looks like
+    one); a ``__post_init__`` check's own error is raised as it is."""
+    errors = err.errors(include_url=False)
+    unknown = [e["loc"][0] for e in errors if e["type"] == "unexpected_keyword_argument"]
+    if unknown:
+        return ConfigError(_unknown(cls, unknown))
+    error = errors[0]
+    if error["type"] == "value_error" and not error["loc"]:  # raised by __post_init__
+        return error["ctx"]["error"]
+    fields = dataclasses.fields(cls)
+    name = error["loc"][0]
+    field = fields[name] if isinstance(name, int) else next(f for f in fields if f.name == name)
+    where, value = f"{cls.__name__}.{field.name}", error["input"]
+    if error["type"] == "missing_argument":
+        return ConfigError(f"{where} is required; give a value")
+    if error["type"] == "choice":
+        allowed = ", ".join(repr(c) for c in field.metadata["choices"])
+        return ConfigError(f"{where}={value!r} is not allowed; choose one of: {allowed}")
+    if error["type"] in _RANGE_ERRORS and "range" in field.metadata:
+        return ConfigError(f"{where}={value!r} is out of range; allowed: "
+                           f"{_interval(*field.metadata['range'])}")
+    if error["type"] == "value_error":
+        return ConfigError(f"{where}={value!r}: {error['ctx']['error']}")
+    hint = typing.get_type_hints(cls)[field.name]
+    kind = type(value)
+    # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
+    label = f"numpy.{kind.__name__}" if isinstance(value, np.generic) else kind.__name__
+    return ConfigError(f"{where} must be {_type_name(hint)}, got {value!r} ({label})"
+                       f"{_type_hint(value, hint)}")
+
+
+def _unknown(cls, keys) -> str:
+    known = field_names(cls)
+    return (f"{cls.__name__} has no field(s) {', '.join(map(repr, sorted(keys)))}; "
+            f"known fields: {', '.join(known) or '(none: it takes no parameters)'}")
+
+
+# YAML 1.1 (and many tools) read these as booleans; parameter files and -p read YAML 1.2,
+# where only true/false are.
+_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
 
 
 def _type_hint(value: Any, annotation: Any) -> str:
@@ -247,43 +403,32 @@ def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) ->
     return loaded
 
 
-def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:
-    """Raise ConfigError if ``value`` breaks the field's type or constraint."""
-    if not _type_ok(value, annotation):
-        kind = type(value)
-        # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
-        label = (f"numpy.{kind.__name__}" if kind.__module__.split(".")[0] == "numpy"
-                 else kind.__name__)
-        raise ConfigError(
-            f"{owner}.{name} must be {_type_name(annotation)}, got {value!r} "
-            f"({label}){_type_hint(value, annotation)}"
-        )
-    if "choices" in metadata and value not in metadata["choices"]:
-        allowed = ", ".join(repr(c) for c in metadata["choices"])
-        raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of: {allowed}")
-    if "range" in metadata and isinstance(value, (int, float)):
-        lo, hi, lo_open, hi_open = metadata["range"]
-        # an int beyond a float's range (a 400-digit literal) is not finite as a float:
-        # compared as it is, never converted (math.isfinite would overflow on it)
-        huge = (not isinstance(value, float) and annotation is not int
-                and abs(value) > sys.float_info.max)
-        # a count beyond int64 is no size torch or numpy can hold (width=2**70 passed)
-        wide = annotation is int and hi is None and abs(value) > INT64_MAX
-        bad = huge or wide or (isinstance(value, float) and not math.isfinite(value))
-        bad |= lo is not None and (value < lo or (lo_open and value == lo))
-        bad |= hi is not None and (value > hi or (hi_open and value == hi))
-        if bad:
-            shown = repr(value)
-            if len(shown) > 40:  # a 400-digit int: its size is what matters
-                shown = f"{shown[:6]}...{shown[-3:]} ({len(shown)} digits)"
-            beyond = (" (beyond any float: |value| <= 1.8e308)" if huge else
-                      f" (beyond a 64-bit integer: |value| <= {INT64_MAX})" if wide else "")
-            if wide:
-                hi = INT64_MAX
-            raise ConfigError(
-                f"{owner}.{name}={shown} is out of range{beyond}; allowed: "
-                f"{_interval(lo, hi, lo_open, hi_open)}"
-            )
+
+def validate(config: Any) -> None:
+    """Check a dataclass instance's fields as :func:`configclass` does.
+
+    A configclass is checked on construction, so this returns at once; a plain frozen
+    dataclass (a rule's ``Params`` written with ``@dataclass``, calling this from its
+    ``__post_init__``) is checked through a configclass twin, and keeps the values the
+    twin stores (numpy numbers as Python numbers, lists as tuples).
+    """
+    cls = type(config)
+    if pydantic.dataclasses.is_pydantic_dataclass(cls):
+        return
+    fields = dataclasses.fields(cls)
+    checked = _twin(cls)(**{f.name: getattr(config, f.name) for f in fields})
+    for f in fields:
+        object.__setattr__(config, f.name, getattr(checked, f.name))
+
+
+@functools.cache
+def _twin(cls):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                        metadata=f.metadata) for f in dataclasses.fields(cls)}
+    return configclass(type(cls.__name__, (), {
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "__annotations__": {name: hints[name] for name in fields}, **fields}))
 
 
 def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
@@ -304,9 +449,8 @@ def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
 def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
                           by: str = "model") -> None:
     """Raise ConfigError if a positive scale the model (or ``by``: the optimizer) applies
-    in ``dtype`` (a Huber delta, a learning rate) is below its smallest normal number: it
-    would be rounded towards 0 there, and the loss it shapes, or the step it scales,
-    silently becomes another one (at lr=1e-45 in float32 no weight moved)."""
+    in ``dtype`` is below its smallest normal number: rounded towards 0 there, the signal
+    it scales silently becomes another one."""
     tiny = float(np.finfo(dtype).tiny)
     for name in names:
         value = getattr(config, name)
@@ -314,70 +458,6 @@ def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
             raise ConfigError(
                 f"{type(config).__name__}.{name}={value!r} is below the smallest normal "
                 f"{dtype} ({tiny:.4g}), the dtype the {by} applies it in; give at least that")
-
-
-def plain_number(value: Any, annotation: Any) -> Any:
-    """A numpy integer, floating or bool scalar as the Python int, float or bool the field
-    takes.
-
-    Grids built with numpy (``np.arange``, ``np.linspace``) hand over numpy scalars; a
-    config stores Python numbers so records and run hashes stay plain JSON. A numpy
-    scalar the field does not take as a Python value (a numpy bool where an int belongs)
-    is returned as it is, for ``check_field`` to judge.
-    """
-    plain = _python_scalar(value)
-    if plain is value:
-        return value
-    return plain if _type_ok(plain, annotation) else value
-
-
-def _python_scalar(value: Any) -> Any:
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        # float32(0.1) is 0.10000000149011612 as a float: the number the researcher wrote
-        # is the shortest text that gives the float32 back (numpy's str), so that is kept
-        return float(str(value)) if value.dtype.itemsize < 8 else float(value)
-    return value
-
-
-def _plain_items(value: tuple) -> tuple:
-    """A tuple's numpy scalars (nested tuples' too) as Python numbers: a config holding
-    them stores them, and a checkpoint that pickles numpy scalars cannot be read back
-    with ``torch.load(weights_only=True)`` (the run could never resume)."""
-    items = tuple(_plain_items(v) if isinstance(v, tuple) else _python_scalar(v)
-                  for v in value)
-    return value if all(a is b for a, b in zip(items, value)) else items
-
-
-def validate(config: Any) -> None:
-    """Check every field of a dataclass instance; call from ``__post_init__``.
-
-    A numpy number where an int, float or bool belongs is stored as the Python number
-    (``plain_number``; so are the numpy numbers inside a tuple), a list where a tuple
-    belongs as the tuple (a record or a YAML file holds it as a list), and a
-    ``pathlib.Path`` where text belongs as its text, also in frozen dataclasses.
-    """
-    owner = type(config).__name__
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        plain = plain_number(value, hints[f.name])
-        if isinstance(plain, list) and _accepts(hints[f.name], tuple) \
-                and not _accepts(hints[f.name], list):
-            plain = tuple(plain)  # YAML and JSON records carry a tuple as a list
-        if isinstance(plain, tuple):
-            plain = _plain_items(plain)
-        if isinstance(plain, os.PathLike) and _accepts(hints[f.name], str) \
-                and not _accepts(hints[f.name], os.PathLike):
-            plain = os.fspath(plain)  # a data path given as a pathlib.Path, stored as text
-            if not isinstance(plain, str):  # a bytes path: refused as what it is
-                plain = value
-        if plain is not value:
-            object.__setattr__(config, f.name, plain)
-        check_field(owner, f.name, plain, hints[f.name], f.metadata)
 
 
 def field_names(cls) -> list[str]:
@@ -431,43 +511,19 @@ def _hashable(value):
     return value
 
 
-def _refuse_unknown(cls, keys) -> None:
-    known = field_names(cls)
-    unknown = sorted(set(keys) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}; "
-            f"known fields: {', '.join(known) or '(none: it takes no parameters)'}"
-        )
-
-
 def from_dict(cls, values: dict | None = None, **overrides):
-    """Build ``cls`` from a mapping, refusing keys it does not declare."""
+    """Build ``cls`` from a mapping, refusing keys it does not declare (a plain dataclass
+    would raise a bare TypeError for them)."""
     merged = {**(values or {}), **overrides}
-    _refuse_unknown(cls, merged)
+    unknown = set(merged) - set(field_names(cls))
+    if unknown:
+        raise ConfigError(_unknown(cls, unknown))
     return cls(**merged)
 
 
-def known_keywords(cls):
-    """Class decorator (above ``@dataclass``): ``Cls(bogus=1)`` is the ConfigError
-    :func:`from_dict` gives, listing the known fields, not Python's bare TypeError."""
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        _refuse_unknown(cls, kwargs)
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
-    return cls
-
-
 def describe(cls) -> dict[str, dict]:
-    """Field -> {default, type, choices/range}: what a notebook or CLI can show."""
+    """Field -> {default, type, choices or range}: what a notebook or CLI can show."""
     hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        entry = {"default": f.default, "type": _type_name(hints[f.name])}
-        entry.update({k: v for k, v in f.metadata.items()})
-        out[f.name] = entry
-    return out
+    return {f.name: {"default": f.default, "type": _type_name(hints[f.name]),
+                     **{k: v for k, v in f.metadata.items() if k in ("choices", "range")}}
+            for f in dataclasses.fields(cls)}

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .base import StepResult, check_example_needs
@@ -68,7 +68,7 @@ TRAFFIC_RATIO_MAX = 1e4
 SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
 
 
-@dataclass(frozen=True)
+@configclass
 class TrafficParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)
