@@ -64,22 +64,6 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, *,
         "allow_inf_nan": False, "range": (lo, hi, lo_open, hi_open)})
 
 
-class RunConfig:
-    """The run fields every trainer's config shares, declared once here.
-
-    A trainer's config extends it (``@configclass class ConvConfig(RunConfig)``);
-    :func:`configclass` lists these after the trainer's own fields, as the training
-    notebooks' parameters cells do, and a trainer redeclares one only to change its
-    default (``checkpoint_every`` counts epochs in one trainer, steps in another).
-    """
-
-    seed: int = bounded(0, 0, SEED_MAX)
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    threads: int = bounded(0, 0)  # 0 = torch's default
-    checkpoint_every: int = bounded(1, 0)  # rows (epochs or steps); 0 = only at the end
-    progress: bool = True  # display only: not part of a run's identity
-
-
 # Strict: a string is not a number, a bool is not an int, an int is not a str (YAML and -p
 # values arrive typed); numpy numbers, lists and paths are made plain first (_plain).
 _STRICT = pydantic.ConfigDict(extra="forbid", strict=True)
@@ -92,7 +76,6 @@ def configclass(cls):
     key or value raises :class:`ConfigError`, and so does a ``__post_init__`` check.
     ``dataclasses.fields``, ``replace`` and ``asdict`` work as on any dataclass.
     """
-    _fields_of_plain_bases_last(cls)
     hints = typing.get_type_hints(cls)
     for name in cls.__annotations__:
         hint = hints[name]
@@ -118,26 +101,6 @@ def configclass(cls):
 
     made.__init__ = __init__
     return made
-
-
-def _fields_of_plain_bases_last(cls) -> None:
-    """Fold the fields declared on plain (non-dataclass) bases, :class:`RunConfig`'s, into
-    ``cls``'s own, after them; one the class redeclares keeps its place there."""
-    shared = {}
-    for base in reversed(cls.__mro__[1:-1]):
-        if not dataclasses.is_dataclass(base):
-            shared.update(vars(base).get("__annotations__", {}))
-    if not shared:
-        return
-    own = dict(vars(cls).get("__annotations__", {}))
-    cls.__annotations__ = {**{name: hint for name, hint in own.items() if name not in shared},
-                           **{name: own.get(name, hint) for name, hint in shared.items()}}
-    for name in shared.keys() - own.keys():
-        spec = getattr(cls, name)
-        if isinstance(spec, dataclasses.Field):  # a Field belongs to one class: a copy each
-            setattr(cls, name, dataclasses.field(default=spec.default,
-                                                 default_factory=spec.default_factory,
-                                                 metadata=spec.metadata))
 
 
 def _keep_int(value: Any, handler) -> Any:
@@ -206,6 +169,19 @@ def _accepts(annotation: Any, kind: type) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_accepts(arg, kind) for arg in typing.get_args(annotation))
     return annotation is kind or typing.get_origin(annotation) is kind
+
+
+@configclass
+class RunConfig:
+    """The run fields every trainer's config shares, declared once: ``ConvConfig``,
+    ``EPConfig`` and ``CfCAuxConfig`` extend it (a trainer redeclares ``checkpoint_every``
+    for its own default: it counts the rows of its axis, epochs or steps)."""
+
+    seed: int = bounded(0, 0, SEED_MAX)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    threads: int = bounded(0, 0)  # 0 = torch's default
+    checkpoint_every: int = bounded(1, 0)  # rows between checkpoints; 0 = only at the end
+    progress: bool = True  # display only: not part of a run's identity
 
 
 # ---------------------------------------------------------------------------

@@ -133,8 +133,7 @@ class CfCAuxConfig(RunConfig):
     aux_lr: float = bounded(1e-3, 0.0, lo_open=True)  # aux Adam: aux trunk and heads
     eval_every: int = bounded(25, 0)  # steps between validations; 0 = only the final one
     diverge_factor: float = bounded(1e3, 1.0, lo_open=True)
-    # run: RunConfig's fields, checkpoint_every in steps
-    checkpoint_every: int = bounded(50, 0)
+    checkpoint_every: int = bounded(50, 0)  # steps (RunConfig's field, another default)
 
     def __post_init__(self):
         try:

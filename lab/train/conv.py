@@ -93,7 +93,7 @@ class ConvConfig(RunConfig):
     # diagnostics: alignment with backprop on a fixed probe batch of training examples
     alignment_every: int = bounded(0, 0)  # epochs between measurements (and the last); 0 = never
     alignment_batch: int = bounded(256, 1)
-    # run (and RunConfig's seed, device, threads, checkpoint_every in epochs, progress)
+    # divergence (the run fields, seed to progress, come from RunConfig)
     diverge_factor: float = bounded(1e3, 1.0, lo_open=True)  # x the loss at initialisation
 
     def __post_init__(self):

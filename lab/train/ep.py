@@ -140,8 +140,7 @@ class EPConfig(RunConfig):
     eval_every: int = bounded(500, 0)  # steps between validations (and the last); 0 = at the end
     eval_batches: int = bounded(0, 0)  # batches of batch_size windows; 0 = the whole split
     cosine_every: int = bounded(100, 0)  # steps between EP/BP cosines (and the last); 0 = never
-    # run: RunConfig's fields, checkpoint_every in steps
-    checkpoint_every: int = bounded(100, 0)
+    checkpoint_every: int = bounded(100, 0)  # steps (RunConfig's field, another default)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
