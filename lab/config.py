@@ -1,11 +1,10 @@
-"""Frozen, validated configs: pydantic v2 dataclasses with one error format.
+"""Configs: frozen pydantic v2 dataclasses, refusing a bad key or value in one paragraph.
 
-Every config in `lab` (trainers, rules, protocols) is a frozen dataclass of primitives
-declared with :func:`configclass`. Pydantic checks each field on construction, strictly
-(a string is not a number, a bool is not an int), with its :func:`bounded` interval or
-:func:`choice` options, and refuses unknown keys; :func:`_refusal` turns its report into
-one :class:`ConfigError` paragraph naming the key, the value and what is allowed, because
-a researcher reads it in a notebook traceback or on the command line, far from this code.
+Every config in `lab` (trainers, rules, protocols) is declared with :func:`configclass`.
+Pydantic checks each field on construction, strictly (a string is not a number, a bool
+is not an int), with its :func:`bounded` interval or :func:`choice` options, and refuses
+unknown keys; :func:`_refusal` turns its report into a :class:`ConfigError` naming the
+key, the value and what is allowed, read in a notebook traceback or on the command line.
 """
 
 from __future__ import annotations
@@ -56,26 +55,18 @@ def choice(default: Any, options: tuple) -> Any:
 
 def bounded(default: Any, lo: float | None = None, hi: float | None = None, *,
             lo_open: bool = False, hi_open: bool = False) -> Any:
-    """A finite number in an interval (closed unless ``*_open``). Pydantic reads the
-    bounds from the field's metadata; ``range`` is what an error shows."""
+    """A finite number in an interval (closed unless ``*_open``): pydantic reads ge/gt/le/lt
+    from the field's metadata, an error shows ``range``."""
     limits = {"gt" if lo_open else "ge": lo, "lt" if hi_open else "le": hi}
     return dataclasses.field(default=default, metadata={
         **{key: value for key, value in limits.items() if value is not None},
         "allow_inf_nan": False, "range": (lo, hi, lo_open, hi_open)})
 
 
-# Strict: a string is not a number, a bool is not an int, an int is not a str (YAML and -p
-# values arrive typed); numpy numbers, lists and paths are made plain first (_plain).
-_STRICT = pydantic.ConfigDict(extra="forbid", strict=True)
-
-
 def configclass(cls):
-    """Class decorator: ``cls`` as a frozen pydantic dataclass of validated fields.
-
-    Each field is checked on construction (also by ``dataclasses.replace``); a refused
-    key or value raises :class:`ConfigError`, and so does a ``__post_init__`` check.
-    ``dataclasses.fields``, ``replace`` and ``asdict`` work as on any dataclass.
-    """
+    """Class decorator: ``cls`` as a frozen pydantic dataclass whose fields are checked on
+    construction (and by ``dataclasses.replace``); a refused key or value, or a check of
+    its ``__post_init__``, raises :class:`ConfigError`."""
     hints = typing.get_type_hints(cls)
     for name in cls.__annotations__:
         hint = hints[name]
@@ -84,12 +75,13 @@ def configclass(cls):
         checks = [pydantic.BeforeValidator(functools.partial(_plain, hint))]
         if _accepts(hint, float) and not _accepts(hint, int):
             checks.append(pydantic.WrapValidator(_keep_int))
-        spec = getattr(cls, name, None)
-        if isinstance(spec, dataclasses.Field) and "choices" in spec.metadata:
-            checks.append(pydantic.AfterValidator(functools.partial(_one_of,
-                                                                    spec.metadata["choices"])))
+        choices = getattr(getattr(cls, name, None), "metadata", {}).get("choices")
+        if choices:
+            checks.append(pydantic.AfterValidator(functools.partial(_one_of, choices)))
         cls.__annotations__[name] = Annotated[(hint, *checks)]
-    made = pydantic.dataclasses.dataclass(frozen=True, config=_STRICT)(cls)
+    # Strict: YAML and -p values arrive typed, so "0.1" is no float and 1 no bool.
+    made = pydantic.dataclasses.dataclass(
+        frozen=True, config=pydantic.ConfigDict(extra="forbid", strict=True))(cls)
     init = made.__init__
 
     @functools.wraps(init)
@@ -103,9 +95,45 @@ def configclass(cls):
     return made
 
 
+def _plain(hint: Any, value: Any) -> Any:
+    """A value as the field stores it: a numpy number as the Python one (also inside a
+    tuple: torch.load(weights_only=True) cannot read a checkpoint holding numpy scalars),
+    a list as a tuple (YAML and JSON carry tuples as lists), a ``pathlib.Path`` as text."""
+    if isinstance(value, np.generic):
+        return plain_number(value, hint)
+    if isinstance(value, list) and _accepts(hint, tuple) and not _accepts(hint, list):
+        value = tuple(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(Any, item) for item in value)
+    if isinstance(value, os.PathLike) and _accepts(hint, str):
+        text = os.fspath(value)
+        return text if isinstance(text, str) else value  # a bytes path: refused as bytes
+    return value
+
+
+def plain_number(value: Any, annotation: Any) -> Any:
+    """A numpy bool, integer or floating scalar as the Python bool, int or float the field
+    takes (grids built with numpy hand them over; records stay plain JSON); any other
+    value, or one the field would refuse, as it is (its error names the numpy type)."""
+    if isinstance(value, np.bool_):
+        plain = bool(value)
+    elif isinstance(value, np.integer):
+        plain = int(value)
+    elif isinstance(value, np.floating):
+        # float32(0.1) is 0.10000000149011612: the researcher wrote the shortest text
+        # that gives the float32 back (numpy's str)
+        plain = float(str(value)) if value.dtype.itemsize < 8 else float(value)
+    else:
+        return value
+    kind = type(plain)
+    takes = (annotation is Any or _accepts(annotation, kind)
+             or (kind is int and _accepts(annotation, float)))
+    return plain if takes else value
+
+
 def _keep_int(value: Any, handler) -> Any:
-    """A float field's check, keeping an int given as the int: records store ``1`` as the
-    researcher wrote it, not ``1.0`` (a run's identity is its config's JSON)."""
+    """A float field's check that keeps an int as given: the record stores ``1`` as
+    written, not ``1.0`` (a run's identity is its config's JSON)."""
     checked = handler(value)
     return value if type(value) is int else checked
 
@@ -114,54 +142,6 @@ def _one_of(choices: tuple, value: Any) -> Any:
     if value not in choices:
         raise PydanticCustomError("choice", "not one of the field's choices")
     return value
-
-
-def plain_number(value: Any, annotation: Any) -> Any:
-    """A numpy integer, floating or bool scalar as the Python int, float or bool the field
-    takes (grids built with numpy hand them over; records and run hashes stay plain
-    JSON); any other value, or a numpy scalar the field would refuse, as it is."""
-    if not isinstance(value, np.generic):
-        return value
-    plain = _python_scalar(value)
-    kind = type(plain)
-    takes = annotation is Any or _accepts(annotation, kind) or (
-        kind is int and _accepts(annotation, float))
-    return plain if takes and kind is not type(value) else value
-
-
-def _python_scalar(value: Any) -> Any:
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        # float32(0.1) is 0.10000000149011612 as a float: the number the researcher wrote
-        # is the shortest text that gives the float32 back (numpy's str), so that is kept
-        return float(str(value)) if value.dtype.itemsize < 8 else float(value)
-    return value
-
-
-def _plain(hint: Any, value: Any) -> Any:
-    """What a field stores for a value given in another form: a numpy number as the Python
-    one (:func:`plain_number`; numpy numbers in a tuple too: a checkpoint holding them
-    cannot be read back with ``torch.load(weights_only=True)``), a list as the tuple a
-    YAML file or JSON record carries it as, a ``pathlib.Path`` as its text."""
-    if isinstance(value, np.generic):
-        return plain_number(value, hint)
-    if isinstance(value, list) and _accepts(hint, tuple) and not _accepts(hint, list):
-        value = tuple(value)
-    if isinstance(value, tuple):
-        return _plain_items(value)
-    if isinstance(value, os.PathLike) and _accepts(hint, str):
-        text = os.fspath(value)
-        return text if isinstance(text, str) else value  # a bytes path: refused as bytes
-    return value
-
-
-def _plain_items(value: tuple) -> tuple:
-    items = tuple(_plain_items(v) if isinstance(v, tuple) else _python_scalar(v)
-                  for v in value)
-    return value if all(a is b for a, b in zip(items, value)) else items
 
 
 def _accepts(annotation: Any, kind: type) -> bool:
@@ -184,18 +164,15 @@ class RunConfig:
     progress: bool = True  # display only: not part of a run's identity
 
 
-# ---------------------------------------------------------------------------
-# pydantic's report as one paragraph
-
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",
                            "less_than_equal", "finite_number"})
 
 
 def _refusal(cls, err: pydantic.ValidationError) -> Exception:
-    """The error a refused construction raises: an unknown key lists the known fields; a
-    value out of range shows the interval, one not among the choices lists them, one of
-    the wrong type names the type wanted (and how to write it, for text that looks like
-    one); a ``__post_init__`` check's own error is raised as it is."""
+    """Pydantic's report as one paragraph: an unknown key lists the known fields; a value
+    out of range shows the interval, one not among the choices lists them, one of the
+    wrong type names the type (and how to write it, for text that looks like one); a
+    ``__post_init__`` check's own error comes out as it is."""
     errors = err.errors(include_url=False)
     unknown = [e["loc"][0] for e in errors if e["type"] == "unexpected_keyword_argument"]
     if unknown:
@@ -204,7 +181,7 @@ def _refusal(cls, err: pydantic.ValidationError) -> Exception:
     if error["type"] == "value_error" and not error["loc"]:  # raised by __post_init__
         return error["ctx"]["error"]
     fields = dataclasses.fields(cls)
-    name = error["loc"][0]
+    name = error["loc"][0]  # a keyword, or a positional argument's index
     field = fields[name] if isinstance(name, int) else next(f for f in fields if f.name == name)
     where, value = f"{cls.__name__}.{field.name}", error["input"]
     if error["type"] == "missing_argument":
@@ -212,17 +189,14 @@ def _refusal(cls, err: pydantic.ValidationError) -> Exception:
     if error["type"] == "choice":
         allowed = ", ".join(repr(c) for c in field.metadata["choices"])
         return ConfigError(f"{where}={value!r} is not allowed; choose one of: {allowed}")
-    if error["type"] in _RANGE_ERRORS and "range" in field.metadata:
+    if error["type"] in _RANGE_ERRORS:
         return ConfigError(f"{where}={value!r} is out of range; allowed: "
                            f"{_interval(*field.metadata['range'])}")
-    if error["type"] == "value_error":
-        return ConfigError(f"{where}={value!r}: {error['ctx']['error']}")
     hint = typing.get_type_hints(cls)[field.name]
-    kind = type(value)
     # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
-    label = f"numpy.{kind.__name__}" if isinstance(value, np.generic) else kind.__name__
-    return ConfigError(f"{where} must be {_type_name(hint)}, got {value!r} ({label})"
-                       f"{_type_hint(value, hint)}")
+    kind = ("numpy." if isinstance(value, np.generic) else "") + type(value).__name__
+    return ConfigError(f"{where} must be {getattr(hint, '__name__', hint)}, got {value!r} "
+                       f"({kind}){_type_hint(value, hint)}")
 
 
 def _unknown(cls, keys) -> str:
@@ -247,10 +221,6 @@ def _type_hint(value: Any, annotation: Any) -> str:
     if _accepts(annotation, tuple):
         return "; give a YAML list such as [1, 5, 20]"
     return ""
-
-
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", str(annotation))
 
 
 def _interval(lo, hi, lo_open, hi_open) -> str:
@@ -379,40 +349,32 @@ def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) ->
     return loaded
 
 
-
 def validate(config: Any) -> None:
-    """Check a dataclass instance's fields as :func:`configclass` does.
-
-    A configclass is checked on construction, so this returns at once; a plain frozen
-    dataclass (a rule's ``Params`` written with ``@dataclass``, calling this from its
-    ``__post_init__``) is checked through a configclass twin, and keeps the values the
-    twin stores (numpy numbers as Python numbers, lists as tuples).
-    """
-    cls = type(config)
-    if pydantic.dataclasses.is_pydantic_dataclass(cls):
+    """Check a dataclass instance as :func:`configclass` does, for a plain dataclass that
+    calls this from ``__post_init__`` (a rule's ``Params`` written with ``@dataclass``): a
+    configclass twin checks it, its values are stored as the twin holds them. A
+    configclass was checked on construction: nothing to do."""
+    if pydantic.dataclasses.is_pydantic_dataclass(type(config)):
         return
-    fields = dataclasses.fields(cls)
-    checked = _twin(cls)(**{f.name: getattr(config, f.name) for f in fields})
+    fields = dataclasses.fields(config)
+    checked = _twin(type(config))(**{f.name: getattr(config, f.name) for f in fields})
     for f in fields:
         object.__setattr__(config, f.name, getattr(checked, f.name))
 
 
 @functools.cache
 def _twin(cls):
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                        metadata=f.metadata) for f in dataclasses.fields(cls)}
+    hints, fields = typing.get_type_hints(cls), dataclasses.fields(cls)
     return configclass(type(cls.__name__, (), {
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__annotations__": {name: hints[name] for name in fields}, **fields}))
+        "__module__": cls.__module__, "__annotations__": {f.name: hints[f.name] for f in fields},
+        **{f.name: dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                     metadata=f.metadata) for f in fields}}))
 
 
 def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
                    by: str = "optimizer") -> None:
     """Raise ConfigError if a factor the optimizer (or ``by``: the model) applies in
-    ``dtype`` (a learning rate, a weight decay, a rule's feedback scale) is too large for
-    that dtype: torch would stop the run at its first step with "value cannot be
-    converted to type float without overflow", or the model would hold inf."""
+    ``dtype`` (a rule's feedback scale, EP's beta) is too large for that dtype."""
     largest = float(np.finfo(dtype).max)
     for name in names:
         value = getattr(config, name)
@@ -424,9 +386,8 @@ def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
 
 def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
                           by: str = "model") -> None:
-    """Raise ConfigError if a positive scale the model (or ``by``: the optimizer) applies
-    in ``dtype`` is below its smallest normal number: rounded towards 0 there, the signal
-    it scales silently becomes another one."""
+    """Raise ConfigError if a positive scale the model (or ``by``) applies in ``dtype`` is
+    below its smallest normal number: rounded towards 0 there, it scales another signal."""
     tiny = float(np.finfo(dtype).tiny)
     for name in names:
         value = getattr(config, name)
@@ -466,6 +427,14 @@ class FrozenParams(dict):
         return self  # immutable, like a tuple of scalars
 
 
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 def as_dict(config) -> dict:
     """``dataclasses.asdict(config)`` with every mapping a plain dict: what a record and a
     checkpoint store."""
@@ -479,17 +448,9 @@ def as_dict(config) -> dict:
     return plain(dataclasses.asdict(config))
 
 
-def _hashable(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
-    return value
-
-
 def from_dict(cls, values: dict | None = None, **overrides):
-    """Build ``cls`` from a mapping, refusing keys it does not declare (a plain dataclass
-    would raise a bare TypeError for them)."""
+    """Build ``cls`` from a mapping, refusing keys it does not declare (by name, also for
+    a plain dataclass, which would raise a bare TypeError)."""
     merged = {**(values or {}), **overrides}
     unknown = set(merged) - set(field_names(cls))
     if unknown:
@@ -500,6 +461,7 @@ def from_dict(cls, values: dict | None = None, **overrides):
 def describe(cls) -> dict[str, dict]:
     """Field -> {default, type, choices or range}: what a notebook or CLI can show."""
     hints = typing.get_type_hints(cls)
-    return {f.name: {"default": f.default, "type": _type_name(hints[f.name]),
+    return {f.name: {"default": f.default, "type": getattr(hints[f.name], "__name__",
+                                                           str(hints[f.name])),
                      **{k: v for k, v in f.metadata.items() if k in ("choices", "range")}}
             for f in dataclasses.fields(cls)}

@@ -240,3 +240,29 @@ def test_pert_directions_has_a_ceiling(rule, default):
             f"rule_params.pert_directions={10**12} is out of range; allowed: [1, "
             f"{PERT_DIRECTIONS_MAX}]")):
         ConvConfig(rule=rule, rule_params={"pert_directions": 10**12})
+
+
+def test_the_run_fields_are_declared_once_in_run_config():
+    from lab.config import RunConfig
+    from lab.train import CfCAuxConfig, EPConfig
+
+    run_fields = [f.name for f in dataclasses.fields(RunConfig)]
+    assert run_fields == ["seed", "device", "threads", "checkpoint_every", "progress"]
+    for cls, every in ((ConvConfig, 1), (EPConfig, 100), (CfCAuxConfig, 50)):
+        assert issubclass(cls, RunConfig)
+        assert [f.name for f in dataclasses.fields(cls)][:5] == run_fields
+        assert cls().checkpoint_every == every  # the trainer's own default (epochs or steps)
+        with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.device='tpu' is not allowed; "
+                                              r"choose one of: 'auto', 'cpu', 'cuda'$"):
+            cls(device="tpu")
+
+
+def test_an_int_given_for_a_float_is_stored_as_the_int():
+    # A record stores what was written: lr=1 as 1, not 1.0 (a run's identity is its JSON).
+    config = ConvConfig(lr=1, weight_decay=0)
+    assert type(config.lr) is int and type(config.weight_decay) is int
+    assert json.dumps(as_dict(config)).count('"lr": 1,') == 1
+    assert type(ConvConfig(lr=0.5).lr) is float
+    with pytest.raises(ConfigError, match=r"^ConvConfig\.lr=0 is out of range; allowed: "
+                                          r"\(0\.0, inf\)$"):
+        ConvConfig(lr=0)
