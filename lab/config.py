@@ -1,28 +1,27 @@
-"""Validated, frozen configuration dataclasses.
+"""Configs: frozen pydantic v2 dataclasses, refusing a bad key or value in one paragraph.
 
-Every config in `lab` (trainers, rules, protocols) is a frozen dataclass of
-primitives. Declaring a field with :func:`choice` or :func:`bounded` attaches
-its constraint; :func:`validate` (called from ``__post_init__``) checks the
-type and the constraint of every field, and :func:`from_dict` refuses unknown
-keys. Each error names the key, the value and what is allowed, because a
-researcher reads them in a notebook traceback, far from this code.
+Every config in `lab` (trainers, rules, protocols) is declared with :func:`configclass`.
+Pydantic checks each field on construction, strictly (a string is not a number, a bool
+is not an int), with its :func:`bounded` interval or :func:`choice` options, and refuses
+unknown keys; :func:`_refusal` turns its report into a :class:`ConfigError` naming the
+key, the value and what is allowed, read in a notebook traceback or on the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
-import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import pydantic
 import yaml
+from pydantic_core import PydanticCustomError
 from ruamel.yaml import YAML
 from ruamel.yaml import YAMLError as _RuamelError
 from ruamel.yaml.constructor import SafeConstructor
@@ -40,7 +39,6 @@ OPERATIONAL = frozenset({"checkpoint_every"})
 # The largest seed every generator a run seeds accepts (torch takes a signed 64-bit
 # integer): a seed field is ``bounded(0, 0, SEED_MAX)``.
 SEED_MAX = 2**63 - 1
-INT64_MAX = 2**63 - 1  # the largest count a config takes (a torch / numpy int64)
 
 
 def identity(config: dict) -> dict:
@@ -59,46 +57,95 @@ def choice(default: Any, options: tuple) -> Any:
     return dataclasses.field(default=default, metadata={"choices": tuple(options)})
 
 
-def bounded(
-    default: Any,
-    lo: float | None = None,
-    hi: float | None = None,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> Any:
-    """A numeric field constrained to an interval (closed unless ``*_open``)."""
-    return dataclasses.field(
-        default=default,
-        metadata={"range": (lo, hi, lo_open, hi_open)},
-    )
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, *,
+            lo_open: bool = False, hi_open: bool = False) -> Any:
+    """A finite number in an interval (closed unless ``*_open``): pydantic reads ge/gt/le/lt
+    from the field's metadata, an error shows ``range``."""
+    limits = {"gt" if lo_open else "ge": lo, "lt" if hi_open else "le": hi}
+    return dataclasses.field(default=default, metadata={
+        **{key: value for key, value in limits.items() if value is not None},
+        "allow_inf_nan": False, "range": (lo, hi, lo_open, hi_open)})
 
 
-def _type_ok(value: Any, annotation: Any) -> bool:
-    if annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    # bool is a subclass of int: a flag where a count belongs is a mistake.
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin is dict or annotation is dict:
-        return isinstance(value, dict)
-    if origin is tuple or annotation is tuple:
-        return isinstance(value, tuple)
-    return isinstance(value, annotation)
+def configclass(cls):
+    """Class decorator: ``cls`` as a frozen pydantic dataclass whose fields are checked on
+    construction (and by ``dataclasses.replace``); a refused key or value, or a check of
+    its ``__post_init__``, raises :class:`ConfigError`."""
+    hints = typing.get_type_hints(cls)
+    for name in cls.__annotations__:
+        hint = hints[name]
+        if typing.get_origin(hint) is typing.ClassVar:
+            continue
+        checks = [pydantic.BeforeValidator(functools.partial(_plain, hint))]
+        if _accepts(hint, float) and not _accepts(hint, int):
+            checks.append(pydantic.WrapValidator(_keep_int))
+        choices = getattr(getattr(cls, name, None), "metadata", {}).get("choices")
+        if choices:
+            checks.append(pydantic.AfterValidator(functools.partial(_one_of, choices)))
+        cls.__annotations__[name] = Annotated[(hint, *checks)]
+    # Strict: YAML and -p values arrive typed, so "0.1" is no float and 1 no bool.
+    made = pydantic.dataclasses.dataclass(
+        frozen=True, config=pydantic.ConfigDict(extra="forbid", strict=True))(cls)
+    init = made.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except pydantic.ValidationError as err:
+            raise _refusal(made, err) from None
+
+    made.__init__ = __init__
+    return made
 
 
-# YAML 1.1 (and many tools) read these as booleans; parameter files and -p read YAML 1.2,
-# where only true/false are.
-_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
+def _plain(hint: Any, value: Any) -> Any:
+    """A value as the field stores it: a numpy number as the Python one (also inside a
+    tuple: torch.load(weights_only=True) cannot read a checkpoint holding numpy scalars),
+    a list as a tuple (YAML and JSON carry tuples as lists), a ``pathlib.Path`` as text."""
+    if isinstance(value, np.generic):
+        return plain_number(value, hint)
+    if isinstance(value, list) and _accepts(hint, tuple) and not _accepts(hint, list):
+        value = tuple(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(Any, item) for item in value)
+    if isinstance(value, os.PathLike) and _accepts(hint, str):
+        text = os.fspath(value)
+        return text if isinstance(text, str) else value  # a bytes path: refused as bytes
+    return value
+
+
+def plain_number(value: Any, annotation: Any) -> Any:
+    """A numpy bool, integer or floating scalar as the Python bool, int or float the field
+    takes (grids built with numpy hand them over; records stay plain JSON); any other
+    value, or one the field would refuse, as it is (its error names the numpy type)."""
+    if isinstance(value, np.bool_):
+        plain = bool(value)
+    elif isinstance(value, np.integer):
+        plain = int(value)
+    elif isinstance(value, np.floating):
+        # float32(0.1) is 0.10000000149011612: the researcher wrote the shortest text
+        # that gives the float32 back (numpy's str)
+        plain = float(str(value)) if value.dtype.itemsize < 8 else float(value)
+    else:
+        return value
+    kind = type(plain)
+    takes = (annotation is Any or _accepts(annotation, kind)
+             or (kind is int and _accepts(annotation, float)))
+    return plain if takes else value
+
+
+def _keep_int(value: Any, handler) -> Any:
+    """A float field's check that keeps an int as given: the record stores ``1`` as
+    written, not ``1.0`` (a run's identity is its config's JSON)."""
+    checked = handler(value)
+    return value if type(value) is int else checked
+
+
+def _one_of(choices: tuple, value: Any) -> Any:
+    if value not in choices:
+        raise PydanticCustomError("choice", "not one of the field's choices")
+    return value
 
 
 def _accepts(annotation: Any, kind: type) -> bool:
@@ -106,6 +153,65 @@ def _accepts(annotation: Any, kind: type) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_accepts(arg, kind) for arg in typing.get_args(annotation))
     return annotation is kind or typing.get_origin(annotation) is kind
+
+
+@configclass
+class RunConfig:
+    """The run fields every trainer's config shares, declared once: ``ConvConfig``,
+    ``EPConfig`` and ``CfCAuxConfig`` extend it (a trainer redeclares ``checkpoint_every``
+    for its own default: it counts the rows of its axis, epochs or steps)."""
+
+    seed: int = bounded(0, 0, SEED_MAX)
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
+    threads: int = bounded(0, 0)  # 0 = torch's default
+    checkpoint_every: int = bounded(1, 0)  # rows between checkpoints; 0 = only at the end
+    progress: bool = True  # display only: not part of a run's identity
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",
+                           "less_than_equal", "finite_number"})
+
+
+def _refusal(cls, err: pydantic.ValidationError) -> Exception:
+    """Pydantic's report as one paragraph: an unknown key lists the known fields; a value
+    out of range shows the interval, one not among the choices lists them, one of the
+    wrong type names the type (and how to write it, for text that looks like one); a
+    ``__post_init__`` check's own error comes out as it is."""
+    errors = err.errors(include_url=False)
+    unknown = [e["loc"][0] for e in errors if e["type"] == "unexpected_keyword_argument"]
+    if unknown:
+        return ConfigError(_unknown(cls, unknown))
+    error = errors[0]
+    if error["type"] == "value_error" and not error["loc"]:  # raised by __post_init__
+        return error["ctx"]["error"]
+    fields = dataclasses.fields(cls)
+    name = error["loc"][0]  # a keyword, or a positional argument's index
+    field = fields[name] if isinstance(name, int) else next(f for f in fields if f.name == name)
+    where, value = f"{cls.__name__}.{field.name}", error["input"]
+    if error["type"] == "missing_argument":
+        return ConfigError(f"{where} is required; give a value")
+    if error["type"] == "choice":
+        allowed = ", ".join(repr(c) for c in field.metadata["choices"])
+        return ConfigError(f"{where}={value!r} is not allowed; choose one of: {allowed}")
+    if error["type"] in _RANGE_ERRORS:
+        return ConfigError(f"{where}={value!r} is out of range; allowed: "
+                           f"{_interval(*field.metadata['range'])}")
+    hint = typing.get_type_hints(cls)[field.name]
+    # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
+    kind = ("numpy." if isinstance(value, np.generic) else "") + type(value).__name__
+    return ConfigError(f"{where} must be {getattr(hint, '__name__', hint)}, got {value!r} "
+                       f"({kind}){_type_hint(value, hint)}")
+
+
+def _unknown(cls, keys) -> str:
+    known = field_names(cls)
+    return (f"{cls.__name__} has no field(s) {', '.join(map(repr, sorted(keys)))}; "
+            f"known fields: {', '.join(known) or '(none: it takes no parameters)'}")
+
+
+# YAML 1.1 (and many tools) read these as booleans; parameter files and -p read YAML 1.2,
+# where only true/false are.
+_BOOL_WORDS = frozenset({"yes", "no", "on", "off", "y", "n"})
 
 
 def _type_hint(value: Any, annotation: Any) -> str:
@@ -119,10 +225,6 @@ def _type_hint(value: Any, annotation: Any) -> str:
     if _accepts(annotation, tuple):
         return "; give a YAML list such as [1, 5, 20]"
     return ""
-
-
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", str(annotation))
 
 
 def _interval(lo, hi, lo_open, hi_open) -> str:
@@ -256,51 +358,32 @@ def read_yaml_mapping(path, what: str, error: type[Exception], expected: str) ->
     return loaded
 
 
-def check_field(owner: str, name: str, value: Any, annotation: Any, metadata) -> None:
-    """Raise ConfigError if ``value`` breaks the field's type or constraint."""
-    if not _type_ok(value, annotation):
-        kind = type(value)
-        # numpy's types say so: np.bool_ reads "bool" on its own, as if a bool were refused
-        label = (f"numpy.{kind.__name__}" if kind.__module__.split(".")[0] == "numpy"
-                 else kind.__name__)
-        raise ConfigError(
-            f"{owner}.{name} must be {_type_name(annotation)}, got {value!r} "
-            f"({label}){_type_hint(value, annotation)}"
-        )
-    if "choices" in metadata and value not in metadata["choices"]:
-        allowed = ", ".join(repr(c) for c in metadata["choices"])
-        raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of: {allowed}")
-    if "range" in metadata and isinstance(value, (int, float)):
-        lo, hi, lo_open, hi_open = metadata["range"]
-        # an int beyond a float's range (a 400-digit literal) is not finite as a float:
-        # compared as it is, never converted (math.isfinite would overflow on it)
-        huge = (not isinstance(value, float) and annotation is not int
-                and abs(value) > sys.float_info.max)
-        # a count beyond int64 is no size torch or numpy can hold (width=2**70 passed)
-        wide = annotation is int and hi is None and abs(value) > INT64_MAX
-        bad = huge or wide or (isinstance(value, float) and not math.isfinite(value))
-        bad |= lo is not None and (value < lo or (lo_open and value == lo))
-        bad |= hi is not None and (value > hi or (hi_open and value == hi))
-        if bad:
-            shown = repr(value)
-            if len(shown) > 40:  # a 400-digit int: its size is what matters
-                shown = f"{shown[:6]}...{shown[-3:]} ({len(shown)} digits)"
-            beyond = (" (beyond any float: |value| <= 1.8e308)" if huge else
-                      f" (beyond a 64-bit integer: |value| <= {INT64_MAX})" if wide else "")
-            if wide:
-                hi = INT64_MAX
-            raise ConfigError(
-                f"{owner}.{name}={shown} is out of range{beyond}; allowed: "
-                f"{_interval(lo, hi, lo_open, hi_open)}"
-            )
+def validate(config: Any) -> None:
+    """Check a dataclass instance as :func:`configclass` does, for a plain dataclass that
+    calls this from ``__post_init__`` (a rule's ``Params`` written with ``@dataclass``): a
+    configclass twin checks it, its values are stored as the twin holds them. A
+    configclass was checked on construction: nothing to do."""
+    if pydantic.dataclasses.is_pydantic_dataclass(type(config)):
+        return
+    fields = dataclasses.fields(config)
+    checked = _twin(type(config))(**{f.name: getattr(config, f.name) for f in fields})
+    for f in fields:
+        object.__setattr__(config, f.name, getattr(checked, f.name))
+
+
+@functools.cache
+def _twin(cls):
+    hints, fields = typing.get_type_hints(cls), dataclasses.fields(cls)
+    return configclass(type(cls.__name__, (), {
+        "__module__": cls.__module__, "__annotations__": {f.name: hints[f.name] for f in fields},
+        **{f.name: dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                     metadata=f.metadata) for f in fields}}))
 
 
 def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
                    by: str = "optimizer") -> None:
     """Raise ConfigError if a factor the optimizer (or ``by``: the model) applies in
-    ``dtype`` (a learning rate, a weight decay, a rule's feedback scale) is too large for
-    that dtype: torch would stop the run at its first step with "value cannot be
-    converted to type float without overflow", or the model would hold inf."""
+    ``dtype`` (a rule's feedback scale, EP's beta) is too large for that dtype."""
     largest = float(np.finfo(dtype).max)
     for name in names:
         value = getattr(config, name)
@@ -312,10 +395,8 @@ def check_in_dtype(config: Any, names: tuple[str, ...], dtype: str,
 
 def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
                           by: str = "model") -> None:
-    """Raise ConfigError if a positive scale the model (or ``by``: the optimizer) applies
-    in ``dtype`` (a Huber delta, a learning rate) is below its smallest normal number: it
-    would be rounded towards 0 there, and the loss it shapes, or the step it scales,
-    silently becomes another one (at lr=1e-45 in float32 no weight moved)."""
+    """Raise ConfigError if a positive scale the model (or ``by``) applies in ``dtype`` is
+    below its smallest normal number: rounded towards 0 there, it scales another signal."""
     tiny = float(np.finfo(dtype).tiny)
     for name in names:
         value = getattr(config, name)
@@ -323,70 +404,6 @@ def check_not_below_dtype(config: Any, names: tuple[str, ...], dtype: str,
             raise ConfigError(
                 f"{type(config).__name__}.{name}={value!r} is below the smallest normal "
                 f"{dtype} ({tiny:.4g}), the dtype the {by} applies it in; give at least that")
-
-
-def plain_number(value: Any, annotation: Any) -> Any:
-    """A numpy integer, floating or bool scalar as the Python int, float or bool the field
-    takes.
-
-    Grids built with numpy (``np.arange``, ``np.linspace``) hand over numpy scalars; a
-    config stores Python numbers so records and run hashes stay plain JSON. A numpy
-    scalar the field does not take as a Python value (a numpy bool where an int belongs)
-    is returned as it is, for ``check_field`` to judge.
-    """
-    plain = _python_scalar(value)
-    if plain is value:
-        return value
-    return plain if _type_ok(plain, annotation) else value
-
-
-def _python_scalar(value: Any) -> Any:
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        # float32(0.1) is 0.10000000149011612 as a float: the number the researcher wrote
-        # is the shortest text that gives the float32 back (numpy's str), so that is kept
-        return float(str(value)) if value.dtype.itemsize < 8 else float(value)
-    return value
-
-
-def _plain_items(value: tuple) -> tuple:
-    """A tuple's numpy scalars (nested tuples' too) as Python numbers: a config holding
-    them stores them, and a checkpoint that pickles numpy scalars cannot be read back
-    with ``torch.load(weights_only=True)`` (the run could never resume)."""
-    items = tuple(_plain_items(v) if isinstance(v, tuple) else _python_scalar(v)
-                  for v in value)
-    return value if all(a is b for a, b in zip(items, value)) else items
-
-
-def validate(config: Any) -> None:
-    """Check every field of a dataclass instance; call from ``__post_init__``.
-
-    A numpy number where an int, float or bool belongs is stored as the Python number
-    (``plain_number``; so are the numpy numbers inside a tuple), a list where a tuple
-    belongs as the tuple (a record or a YAML file holds it as a list), and a
-    ``pathlib.Path`` where text belongs as its text, also in frozen dataclasses.
-    """
-    owner = type(config).__name__
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        plain = plain_number(value, hints[f.name])
-        if isinstance(plain, list) and _accepts(hints[f.name], tuple) \
-                and not _accepts(hints[f.name], list):
-            plain = tuple(plain)  # YAML and JSON records carry a tuple as a list
-        if isinstance(plain, tuple):
-            plain = _plain_items(plain)
-        if isinstance(plain, os.PathLike) and _accepts(hints[f.name], str) \
-                and not _accepts(hints[f.name], os.PathLike):
-            plain = os.fspath(plain)  # a data path given as a pathlib.Path, stored as text
-            if not isinstance(plain, str):  # a bytes path: refused as what it is
-                plain = value
-        if plain is not value:
-            object.__setattr__(config, f.name, plain)
-        check_field(owner, f.name, plain, hints[f.name], f.metadata)
 
 
 def field_names(cls) -> list[str]:
@@ -419,6 +436,14 @@ class FrozenParams(dict):
         return self  # immutable, like a tuple of scalars
 
 
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 def as_dict(config) -> dict:
     """``dataclasses.asdict(config)`` with every mapping a plain dict: what a record and a
     checkpoint store."""
@@ -432,51 +457,20 @@ def as_dict(config) -> dict:
     return plain(dataclasses.asdict(config))
 
 
-def _hashable(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
-    return value
-
-
-def _refuse_unknown(cls, keys) -> None:
-    known = field_names(cls)
-    unknown = sorted(set(keys) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}; "
-            f"known fields: {', '.join(known) or '(none: it takes no parameters)'}"
-        )
-
-
 def from_dict(cls, values: dict | None = None, **overrides):
-    """Build ``cls`` from a mapping, refusing keys it does not declare."""
+    """Build ``cls`` from a mapping, refusing keys it does not declare (by name, also for
+    a plain dataclass, which would raise a bare TypeError)."""
     merged = {**(values or {}), **overrides}
-    _refuse_unknown(cls, merged)
+    unknown = set(merged) - set(field_names(cls))
+    if unknown:
+        raise ConfigError(_unknown(cls, unknown))
     return cls(**merged)
 
 
-def known_keywords(cls):
-    """Class decorator (above ``@dataclass``): ``Cls(bogus=1)`` is the ConfigError
-    :func:`from_dict` gives, listing the known fields, not Python's bare TypeError."""
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        _refuse_unknown(cls, kwargs)
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
-    return cls
-
-
 def describe(cls) -> dict[str, dict]:
-    """Field -> {default, type, choices/range}: what a notebook or CLI can show."""
+    """Field -> {default, type, choices or range}: what a notebook or CLI can show."""
     hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        entry = {"default": f.default, "type": _type_name(hints[f.name])}
-        entry.update({k: v for k, v in f.metadata.items()})
-        out[f.name] = entry
-    return out
+    return {f.name: {"default": f.default, "type": getattr(hints[f.name], "__name__",
+                                                           str(hints[f.name])),
+                     **{k: v for k, v in f.metadata.items() if k in ("choices", "range")}}
+            for f in dataclasses.fields(cls)}

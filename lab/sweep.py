@@ -93,10 +93,10 @@ from . import records
 from .config import (
     ConfigError,
     bounded,
+    configclass,
     dotted_parent,
     field_names,
     read_yaml_mapping,
-    validate,
 )
 
 SEED_KEY = "seed"
@@ -121,7 +121,7 @@ class SchedulerError(RuntimeError):
     """The Dask scheduler given to a sweep cannot be reached."""
 
 
-@dataclass(frozen=True)
+@configclass
 class Protocol:
     """A validated protocol; paths are absolute once loaded by :func:`load_protocol`."""
 
@@ -144,7 +144,6 @@ class Protocol:
     source: str = ""  # the YAML file it came from
 
     def __post_init__(self):
-        validate(self)
         for part in ("fixed", "grid"):
             _check_names(f"Protocol.{part}", getattr(self, part))
         # A grid key is part of every run's directory name: a parameter's name, or a dotted

@@ -30,16 +30,13 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError, validate
+from ..config import ConfigError, configclass
 from .common import check_model
 
 
-@dataclass(frozen=True)
+@configclass
 class NoParams:
     """A rule without hyper-parameters."""
-
-    def __post_init__(self):
-        validate(self)
 
 
 def check_example_needs(rule: str, needs: dict[str, int], available: int) -> None:

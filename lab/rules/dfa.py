@@ -18,12 +18,11 @@ batch equals feedback_scale x ||d(sum loss)/dh_l||, backprop's norm there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, bounded, choice, validate
+from ..config import SEED_MAX, bounded, choice, configclass
 from ..models.state import preserved_norm_stats
 from .base import Rule, StepResult
 from .common import MODEL_CONTRACT, Segments, check_targets, derive_seed, output_error
@@ -31,15 +30,12 @@ from .feedback import check_supported
 from .registry import register
 
 
-@dataclass(frozen=True)
+@configclass
 class DFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # D std = scale / sqrt(K)
     feedback_seed: int = bounded(0, 0, SEED_MAX)
     # "fixed": Nokland's scale; "gradient": each D_l matched to backprop's norm once.
     projection_norm: str = choice("fixed", ("fixed", "gradient"))
-
-    def __post_init__(self):
-        validate(self)
 
 
 @register

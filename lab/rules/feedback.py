@@ -24,12 +24,11 @@ first layer reads the data: nothing needs its input gradient, so it has no B
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from ..config import SEED_MAX, bounded, validate
+from ..config import SEED_MAX, bounded, configclass
 from ..models.layers import local_layers
 from .base import Rule
 from .bp import autograd_step
@@ -44,13 +43,10 @@ from .common import (
 from .registry import register
 
 
-@dataclass(frozen=True)
+@configclass
 class FeedbackParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)  # mixed with the run seed
-
-    def __post_init__(self):
-        validate(self)
 
 
 def unsupported_layers(model: nn.Module) -> list[str]:

@@ -57,13 +57,12 @@ from e, which it sees.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
@@ -119,7 +118,7 @@ def _draw_batch(x, y, size, generator):
     return x[pick], y[pick]
 
 
-@dataclass(frozen=True)
+@configclass
 class LHFAParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)
@@ -294,7 +293,7 @@ class LearnedFA(FeedbackAlignment):
         return {"perturbation": self.estimator.elementwise()}
 
 
-@dataclass(frozen=True)
+@configclass
 class SDILParams:
     # A_l's std at start, in units of dfa's D_l std. Small: dfa's scale makes e A_l ~100x
     # backprop's gradient there, and the regression must first shrink that uncorrelated

@@ -30,11 +30,9 @@ Optional ``mirror_warmup_steps`` mirror events run before the first task step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..config import SEED_MAX, bounded, validate
+from ..config import SEED_MAX, bounded, configclass
 from ..models.layers import Linear
 from .feedback import FeedbackAlignment
 from .registry import register
@@ -42,7 +40,7 @@ from .registry import register
 _conv_backward = torch.ops.aten.convolution_backward
 
 
-@dataclass(frozen=True)
+@configclass
 class MirrorParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)
     feedback_seed: int = bounded(0, 0, SEED_MAX)
@@ -52,9 +50,6 @@ class MirrorParams:
     mirror_decay: float = bounded(0.1, 0.0, 1.0, hi_open=True)  # wm only
     mirror_sigma: float = bounded(1.0, 0.0, lo_open=True)  # probe std s
     mirror_warmup_steps: int = bounded(0, 0)  # mirror events before training
-
-    def __post_init__(self):
-        validate(self)
 
 
 def _layer_map(module, x, w):

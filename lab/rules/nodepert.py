@@ -25,12 +25,10 @@ has a median relative error near 30%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from ..config import validate
+from ..config import configclass
 from .base import Rule, StepResult
 from .common import Segments, check_targets, derive_seed, full_fp32
 from .feedback import check_supported
@@ -38,13 +36,10 @@ from .perturbation import PerturbationEstimator, below, pert_directions_field, p
 from .registry import register
 
 
-@dataclass(frozen=True)
+@configclass
 class NodePertParams:
     pert_sigma: float = pert_sigma_field()
     pert_directions: int = pert_directions_field(1)
-
-    def __post_init__(self):
-        validate(self)
 
 
 @register

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, validate
+from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
@@ -56,7 +56,7 @@ from .feedback import KolenPollack
 from .registry import register
 
 
-@dataclass(frozen=True)
+@configclass
 class TrafficParams:
     feedback_scale: float = bounded(1.0, 0.0, lo_open=True)  # ||B|| / ||W|| at initialisation
     feedback_seed: int = bounded(0, 0, SEED_MAX)

@@ -47,16 +47,7 @@ import torch.nn.functional as F
 
 import numba_kernels
 
-from ..config import (
-    SEED_MAX,
-    ConfigError,
-    bounded,
-    check_in_dtype,
-    check_not_below_dtype,
-    choice,
-    known_keywords,
-    validate,
-)
+from ..config import ConfigError, RunConfig, bounded, choice, configclass
 from ..data import DataError
 from ..data.identity import absolute, read_unchanged
 from ..data.markets import ARCH_SERIES, arch_identity, arch_table
@@ -96,9 +87,8 @@ def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 SYNTHETIC_LENGTH_MAX = 1_000_000
 
 
-@known_keywords
-@dataclass(frozen=True)
-class CfCAuxConfig:
+@configclass
+class CfCAuxConfig(RunConfig):
     """Everything one CfC-aux run depends on; ``asdict`` is stored in the record."""
 
     KIND: ClassVar[str] = "cfc_aux"  # the record kind its trainer writes (not a field)
@@ -149,21 +139,9 @@ class CfCAuxConfig:
     aux_lr: float = bounded(1e-3, 0.0, lo_open=True)  # aux Adam: aux trunk and heads
     eval_every: int = bounded(25, 0)  # steps between validations; 0 = only the final one
     diverge_factor: float = bounded(1e3, 1.0, lo_open=True)
-    # run
-    seed: int = bounded(0, 0, SEED_MAX)
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    threads: int = bounded(0, 0)  # 0 = torch's default
-    checkpoint_every: int = bounded(50, 0)  # steps; 0 = only at the end
-    progress: bool = True
+    checkpoint_every: int = bounded(50, 0)  # steps (RunConfig's field, another default)
 
     def __post_init__(self):
-        # YAML protocols and JSON records carry tuples as lists.
-        if isinstance(self.horizons, list):
-            object.__setattr__(self, "horizons", tuple(self.horizons))
-        validate(self)
-        check_in_dtype(self, ("lr", "aux_lr"), "float32")  # the model is float32
-        check_not_below_dtype(self, ("huber_delta",), "float32")
-        check_not_below_dtype(self, ("lr", "aux_lr"), "float32", by="optimizer")
         try:
             check_horizons(self.horizons, self.main_horizon)
         except DataError as err:

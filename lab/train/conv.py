@@ -27,17 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..config import (
-    SEED_MAX,
-    ConfigError,
-    FrozenParams,
-    bounded,
-    check_in_dtype,
-    check_not_below_dtype,
-    choice,
-    known_keywords,
-    validate,
-)
+from ..config import ConfigError, FrozenParams, RunConfig, bounded, choice, configclass
 from ..data import DATA_SPECS, DATASETS, DataError, load_dataset, train_size
 from ..data.augment import augment
 from ..data.batches import iterate_batches
@@ -64,9 +54,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
 
 
-@known_keywords
-@dataclass(frozen=True)
-class ConvConfig:
+@configclass
+class ConvConfig(RunConfig):
     """Everything one conv run depends on; ``asdict`` is stored in the record."""
 
     KIND: ClassVar[str] = "conv"  # the record kind its trainer writes (not a field)
@@ -104,27 +93,16 @@ class ConvConfig:
     # diagnostics: alignment with backprop on a fixed probe batch of training examples
     alignment_every: int = bounded(0, 0)  # epochs between measurements (and the last); 0 = never
     alignment_batch: int = bounded(256, 1)
-    # run
-    seed: int = bounded(0, 0, SEED_MAX)
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    threads: int = bounded(0, 0)  # 0 = torch's default
-    checkpoint_every: int = bounded(1, 0)  # epochs; 0 = only at the end
+    # divergence (the run fields, seed to progress, come from RunConfig)
     diverge_factor: float = bounded(1e3, 1.0, lo_open=True)  # x the loss at initialisation
-    progress: bool = True  # display only: not part of a run's identity
 
     def __post_init__(self):
-        validate(self)
         if self.data_dir and not self.data_dir.strip():
             raise ConfigError(f"ConvConfig.data_dir={self.data_dir!r} is blank; give a directory, "
                               "or '' for $LAB_DATA_DIR / ~/.cache/lab")
         # Absolute, so the record names the directory whatever the working directory of a
         # later reader or resume.
         object.__setattr__(self, "data_dir", absolute(self.data_dir))
-        check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
-        check_not_below_dtype(self, ("lr", "weight_decay", "grad_clip"), self.dtype,
-                              by="optimizer")
-        check_not_below_dtype(self, ("residual_scale",), self.dtype)
-        check_in_dtype(self, ("residual_scale",), self.dtype, by="model")
         if self.augment == "crop_flip" and DATA_SPECS[self.dataset].dims == 1:
             # (it failed at the first batch, after the run had started)
             raise ConfigError(f"ConvConfig.augment='crop_flip' crops and flips images, and "

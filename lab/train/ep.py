@@ -70,14 +70,12 @@ import torch
 import torch.nn as nn
 
 from ..config import (
-    SEED_MAX,
     ConfigError,
+    RunConfig,
     bounded,
     check_in_dtype,
-    check_not_below_dtype,
     choice,
-    known_keywords,
-    validate,
+    configclass,
 )
 from ..data.identity import absolute, read_unchanged
 from ..data.text import (
@@ -105,9 +103,8 @@ BETA_SCALE_FLOOR = 1 / 64
 SPECTRAL_ITERS = 200
 
 
-@known_keywords
-@dataclass(frozen=True)
-class EPConfig:
+@configclass
+class EPConfig(RunConfig):
     """Everything one EP run depends on; ``asdict`` is stored in the record."""
 
     KIND: ClassVar[str] = "ep"  # the record kind its trainer writes (not a field)
@@ -143,18 +140,9 @@ class EPConfig:
     eval_every: int = bounded(500, 0)  # steps between validations (and the last); 0 = at the end
     eval_batches: int = bounded(0, 0)  # batches of batch_size windows; 0 = the whole split
     cosine_every: int = bounded(100, 0)  # steps between EP/BP cosines (and the last); 0 = never
-    # run
-    seed: int = bounded(0, 0, SEED_MAX)
-    device: str = choice("auto", ("auto", "cpu", "cuda"))
-    threads: int = bounded(0, 0)  # 0 = torch's default
-    checkpoint_every: int = bounded(100, 0)  # steps; 0 = only at the end
-    progress: bool = True
+    checkpoint_every: int = bounded(100, 0)  # steps (RunConfig's field, another default)
 
     def __post_init__(self):
-        validate(self)
-        check_in_dtype(self, ("lr", "weight_decay"), self.dtype)
-        check_not_below_dtype(self, ("lr", "weight_decay", "grad_clip"), self.dtype,
-                              by="optimizer")
         if self.d_model % self.n_heads:
             raise ConfigError(f"EPConfig.d_model={self.d_model} is not divisible by "
                               f"n_heads={self.n_heads}; each head gets d_model / n_heads "

@@ -10,16 +10,15 @@ can check resume, kills, row stores and divergence in milliseconds per step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import bounded, choice, validate
+from ..config import bounded, choice, configclass
 from ..lifecycle import Divergence, Expectation, Lifecycle
 
 
-@dataclass(frozen=True)
+@configclass
 class SyntheticConfig:
     steps: int = bounded(100, 1)
     stride: int = bounded(1, 1)  # a row every ``stride`` optimisation steps
@@ -33,9 +32,6 @@ class SyntheticConfig:
     checkpoint_every: int = bounded(10, 0)
     seed: int = bounded(0, 0)
     progress: bool = False
-
-    def __post_init__(self):
-        validate(self)
 
 
 class _Weights:
