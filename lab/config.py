@@ -48,6 +48,27 @@ def identity(config: dict) -> dict:
             if key not in DISPLAY_ONLY and key not in OPERATIONAL}
 
 
+# Rule parameters added since runs were stored, at the value those runs ran with: a
+# stored config without the key is read with it. kp_traffic and sdil added the traffic to
+# the gradient (anti-Hebbian) before traffic_sign existed. Torch-free, so `lab runs` and
+# the analyses read old records the way resumes and sweeps do.
+LEGACY_RULE_PARAMS = {"kp_traffic": {"traffic_sign": "anti_hebbian"},
+                      "sdil": {"traffic_sign": "anti_hebbian"}}
+
+
+def with_legacy_params(config) -> dict:
+    """A stored config (a record's or a checkpoint's) with each parameter its rule has
+    gained since filled in at the value it ran with (:data:`LEGACY_RULE_PARAMS`), so a run
+    made before the parameter existed equals a config asking that value, and differs from
+    the new default. Keys the stored config holds are kept."""
+    params = config.get("rule_params")
+    legacy = LEGACY_RULE_PARAMS.get(config.get("rule")) if isinstance(config.get("rule"),
+                                                                     str) else None
+    if not legacy or not isinstance(params, dict):
+        return dict(config)
+    return {**config, "rule_params": {**legacy, **params}}
+
+
 class ConfigError(ValueError):
     """A configuration key or value that the config does not allow."""
 

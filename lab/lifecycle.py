@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from . import records, runlock
-from .config import ConfigError, as_dict, from_dict, identity
+from .config import ConfigError, as_dict, from_dict, identity, with_legacy_params
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 3  # 3 carries the record; 2 (no record) is still resumed
@@ -476,7 +476,7 @@ class Lifecycle:
 
     def _refuse_different(self, saved_config: dict, what: str,
                           finished: str | None = None) -> None:
-        raw = identity(saved_config.get("config", saved_config))
+        raw = with_legacy_params(identity(saved_config.get("config", saved_config)))
         # Compared as stored (NaN == NaN there), which is also how a resumed record reads;
         # leaf by leaf, as the CLI does: rule_params.eta_A, not two whole dicts.
         then = dict(_leaves("", records.encode_nonfinite(raw)))

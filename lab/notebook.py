@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import records, runlock
-from .config import ConfigError, as_dict, field_names, from_dict, identity
+from .config import ConfigError, as_dict, field_names, from_dict, identity, with_legacy_params
 
 if TYPE_CHECKING:  # imported where used: kernels import this module for record_value
     import nbformat
@@ -568,6 +568,7 @@ def asked_differences(record: Mapping, resolved: Resolved) -> list[str]:
         then, now = records.run_params(record), resolved.asked()
     else:
         then, now = record["config"], resolved.config
+    then = with_legacy_params(then)
     return config_differences(then, _same_data_dir(then, now, record), resolved.full)
 
 

@@ -97,6 +97,7 @@ from .config import (
     dotted_parent,
     field_names,
     read_yaml_mapping,
+    with_legacy_params,
 )
 
 SEED_KEY = "seed"
@@ -785,8 +786,10 @@ def spec_differences(spec: RunSpec, runs) -> dict[str, list[str]]:
     out = {}
     for row in runs[runs["run_id"] == spec.run_id].to_dict("records"):
         diffs = []
+        legacy = records.config_columns(with_legacy_params(
+            {"rule": row.get("config.rule"), "rule_params": {}}))
         for column, value in sorted(wanted.items()):
-            there = row.get(column, "(absent)")
+            there = row.get(column, legacy.get(column, "(absent)"))
             if isinstance(there, float) and there != there:  # configs hold no NaN: absent
                 there = "(absent)"
             if there != value:

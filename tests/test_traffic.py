@@ -675,8 +675,8 @@ def test_a_run_stored_before_traffic_sign_reads_as_anti_hebbian():
     import json
     from pathlib import Path
 
+    from lab.config import with_legacy_params
     from lab.rules import resolve_params
-    from lab.rules.registry import with_legacy_params
 
     runs = Path(__file__).parent / "fixtures" / "mt1" / "runs"
     record = json.loads((runs / "rule_params.traffic_rule-raw_seed-0" / "record.json")
@@ -723,3 +723,41 @@ def test_a_step_updates_the_norms_running_statistics_as_batch_norm_does(momentum
     for n in buffers[0]:
         assert torch.equal(buffers[0][n], buffers[1][n]), n
     assert int(buffers[1]["stem_norm.num_batches_tracked"]) == 2
+
+
+def test_a_run_stored_before_traffic_sign_reads_as_anti_hebbian_on_resume(tmp_path, tiny):
+    """A finished kp_traffic run whose record and checkpoint lack traffic_sign (made before
+    the parameter existed) is the same run as one asking anti_hebbian, and another run than
+    one asking the new default."""
+    import json
+
+    import torch
+
+    from lab.lifecycle import CheckpointError
+    from lab.records import RECORD_FILE
+    from lab.train import ConvConfig, train_conv
+
+    SMALL = {"traffic_calibration_examples": 64, "predictor_warmup_steps": 2}
+
+    def old(config):
+        return ConvConfig(**{**tiny, "epochs": 1, "rule": "kp_traffic", "rule_params": {
+            "traffic_sign": "anti_hebbian", **SMALL, **config}})
+
+    out = tmp_path / "r"
+    done = train_conv(old({}), out)
+    for path in (out / RECORD_FILE,):
+        record = json.loads(path.read_text())
+        del record["config"]["rule_params"]["traffic_sign"]
+        path.write_text(json.dumps(record))
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    for holder in (state["identity"], state["record"]["config"]):
+        del holder["rule_params"]["traffic_sign"]
+    torch.save(state, out / "checkpoint.pt")
+    before = (out / RECORD_FILE).read_bytes()
+    again = train_conv(old({}), out)  # nothing to do: the same run
+    assert again["final"] == done["final"] and (out / RECORD_FILE).read_bytes() == before
+    with pytest.raises(CheckpointError, match=r"traffic_sign: 'anti_hebbian' there vs "
+                                              r"'hebbian' now"):
+        train_conv(ConvConfig(**{**tiny, "epochs": 1, "rule": "kp_traffic",
+                                 "rule_params": SMALL}), out)
+    assert (out / RECORD_FILE).read_bytes() == before

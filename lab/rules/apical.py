@@ -43,9 +43,6 @@ TRAFFIC_SIGNS = tuple(SIGNS)
 # part (eps 1.2e-7 x 1e4 ~ 1e-3 of I).
 TRAFFIC_RATIO_MAX = 1e4
 SIGNALS = ("used", "instruction", "raw", "innovation", "traffic")
-# What a rule's parameters held before traffic_sign existed: those runs added the traffic
-# to the gradient (anti-Hebbian), so a stored config without the key ran that.
-LEGACY_PARAMS = {"traffic_sign": "anti_hebbian"}
 
 
 def _cloned(tensors: list) -> list:

@@ -66,7 +66,6 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, valida
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
-    LEGACY_PARAMS,
     TRAFFIC_RATIO_MAX,
     TRAFFIC_RULES,
     TRAFFIC_SIGNS,
@@ -330,7 +329,6 @@ class SDIL(Rule):
 
     name = "sdil"
     Params = SDILParams
-    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("perturbation/loss_queries", "calibration/events",
                    "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_innovation/mean", "apical/rms_traffic/mean")

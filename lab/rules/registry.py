@@ -143,20 +143,6 @@ def resolve_params(name: str, params) -> dict:
     return dataclasses.asdict(rule_params(name, params))
 
 
-def with_legacy_params(config: Mapping) -> dict:
-    """A stored config (a record's or a checkpoint's ``config``) with each parameter its rule
-    has gained since filled in at the value those runs ran with (the rule class's
-    ``legacy_params``, e.g. kp_traffic's ``traffic_sign: anti_hebbian``), so a run made
-    before the parameter existed compares equal to a config that asks for that value,
-    and unequal to the new default. Keys the stored config holds are kept."""
-    params = config.get("rule_params")
-    legacy = getattr(RULES.get(config.get("rule")) if isinstance(config.get("rule"), str)
-                     else None, "legacy_params", None)
-    if not legacy or not isinstance(params, Mapping):
-        return dict(config)
-    return {**config, "rule_params": {**legacy, **params}}
-
-
 def make_rule(name: str, model, params=None, *, seed: int = 0):
     """Rule ``name`` for ``model``; ``params`` a mapping or the rule's Params; ``seed`` the
     run seed its random draws derive from (a numpy integer is taken as the int)."""

@@ -42,7 +42,6 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, valida
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
-    LEGACY_PARAMS,
     SIGNALS,
     TRAFFIC_RATIO_MAX,
     TRAFFIC_RULES,
@@ -176,7 +175,6 @@ class KolenPollackTraffic(KolenPollack):
 
     name = "kp_traffic"
     Params = TrafficParams
-    legacy_params = LEGACY_PARAMS  # runs stored before traffic_sign existed
     row_metrics = ("feedback/mean_cos", "apical/rms_used/mean", "apical/rms_instruction/mean",
                    "apical/rms_raw/mean", "apical/rms_innovation/mean",
                    "apical/rms_traffic/mean")
