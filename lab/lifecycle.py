@@ -1,9 +1,10 @@
 """One run lifecycle for every trainer: resume, rows, checkpoints, divergence, the record.
 
-A trainer module holds only its own maths (build, one step or epoch,
-evaluate) and hands this module named *parts*: objects with ``state_dict`` /
-``load_state_dict`` (model, optimizer, scheduler, rule, anything of its own)
-or ``torch.Generator`` s. The lifecycle then
+A trainer module holds only its own maths (build, one step or epoch, evaluate) and one
+:class:`lab.experiment.Experiment`, which :func:`train` drives the same way for every
+trainer. The experiment names the *parts* of a run: objects with ``state_dict`` /
+``load_state_dict`` (model, optimizer, scheduler, rule, anything of its own) or
+``torch.Generator`` s. The lifecycle then
 
 - locks the run directory (``lab.runlock``) for the life of the run;
 - resumes from a checkpoint written by the same config (display-only fields
@@ -50,6 +51,10 @@ from tqdm import tqdm
 
 from . import records, runlock
 from .config import ConfigError, as_dict, from_dict, identity, with_legacy_params
+from .experiment import Divergence, Expectation, Experiment, _number
+
+__all__ = ["CHECKPOINT", "CheckpointError", "Divergence", "Expectation", "Lifecycle",
+           "check_start", "run_path", "train"]
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 3  # 3 carries the record; 2 (no record) is still resumed
@@ -58,50 +63,6 @@ READABLE_FORMATS = (2, 3)
 
 class CheckpointError(ValueError):
     """A checkpoint (or a finished run) that cannot be resumed under this config."""
-
-
-@dataclass(frozen=True)
-class Expectation:
-    """What a complete run holds; stored in the record as ``expect``.
-
-    Row ``i`` has axis value ``i * stride``. ``metrics`` are required (present
-    and finite) on every row, ``periodic`` entries ``(name, every, offset)`` on
-    rows whose axis value ``v`` has ``(v - offset) % every == 0``, ``final`` in
-    the final metrics. A name ending in "/" is a prefix: at least one metric
-    under it, all finite. Nested row dicts flatten with "/". ``undefined`` names
-    row metrics (or prefixes) that may be NaN in a complete run because the
-    quantity is undefined there, a result and not a gap (a cosine at a silent
-    layer is 0/0); present they must still be, and never infinite.
-    """
-
-    axis: str
-    count: int
-    stride: int = 1
-    metrics: tuple[str, ...] = ()
-    periodic: tuple[tuple[str, int, int], ...] = ()
-    final: tuple[str, ...] = ()
-    undefined: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.axis not in records.AXES:
-            raise ConfigError(f"Expectation.axis={self.axis!r} is not allowed; choose one of: "
-                              f"{', '.join(records.AXES)}")
-        for name in ("count", "stride"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "stride"):
-                raise ConfigError(f"Expectation.{name}={value!r} is not allowed; use an int >= "
-                                  f"{int(name == 'stride')}")
-        for name, every, offset in self.periodic:
-            if not isinstance(every, int) or every < 1 or not isinstance(offset, int):
-                raise ConfigError(f"Expectation.periodic entry ({name!r}, {every!r}, "
-                                  f"{offset!r}) needs an int every >= 1 and an int offset")
-
-    def as_dict(self) -> dict:
-        # ``undefined`` only where declared: records without it read as none.
-        return {"axis": self.axis, "count": self.count, "stride": self.stride,
-                "metrics": list(self.metrics), "final": list(self.final),
-                "periodic": [list(p) for p in self.periodic],
-                **({"undefined": list(self.undefined)} if self.undefined else {})}
 
 
 class _Positions:
@@ -123,84 +84,6 @@ class _Positions:
 
     def close(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """When a run stops as ``diverged`` (the same policy for every trainer).
-
-    The training loss (``loss_key`` of a row) is non-finite, or above ``factor``
-    times the loss at initialisation (:meth:`Lifecycle.baseline`; the first
-    row's loss when none was given), or above ``cap``; or an evaluation loss
-    (``eval_keys``, in a row or the final metrics) is non-finite. A run that trains a
-    second arm beside the first (EP's backprop twin, CfC's auxiliary path) names that arm's
-    training losses in ``companion_keys``: one that is non-finite, or above ``factor`` times
-    its own first finite value, stops the run too, since the comparison the arm serves is
-    void from then on. A row value named in ``finite_keys`` (a quantity of the trainer's
-    own computation, such as EP's drift) that is non-finite stops the run too, with
-    ``finite_hint`` appended to the reason.
-    """
-
-    loss_key: str = "train_loss"
-    eval_keys: tuple[str, ...] = ("val_loss", "test_loss")
-    factor: float = 1e3
-    cap: float = math.inf
-    companion_keys: tuple[str, ...] = ()
-    finite_keys: tuple[str, ...] = ()
-    finite_hint: str = ""
-
-    def __post_init__(self):
-        if not self.factor > 1 or not self.cap > 0:
-            raise ConfigError(f"Divergence factor={self.factor!r} must be > 1 and "
-                              f"cap={self.cap!r} > 0")
-
-    def check(self, values: dict, baseline: float | None, where: str) -> str | None:
-        """Why ``values`` (a row or the final metrics) means divergence, or None."""
-        loss = values.get(self.loss_key)
-        if _number(loss):
-            if not math.isfinite(loss):
-                return f"non-finite training loss {self.loss_key}={loss} at {where}"
-            if loss > self.cap:
-                return (f"training loss {self.loss_key}={loss:.4g} at {where} exceeds the "
-                        f"absolute cap {self.cap:.4g}")
-            if baseline is not None and loss > self.factor * baseline:
-                return (f"training loss {self.loss_key}={loss:.4g} at {where} exceeds "
-                        f"{self.factor:g} x the loss at initialisation ({baseline:.4g})")
-        for key in self.eval_keys:
-            value = values.get(key)
-            if _number(value) and not math.isfinite(value):
-                return f"non-finite evaluation loss {key}={value} at {where}"
-        for key in self.finite_keys:
-            value = values.get(key)
-            if _number(value) and not math.isfinite(value):
-                return f"non-finite {key}={value} at {where}{self.finite_hint}"
-        return None
-
-    def check_companions(self, row: dict, baselines: dict, where: str) -> str | None:
-        """Why a companion arm's loss in ``row`` means divergence, or None.
-
-        ``baselines`` maps each companion key to its first finite value; a key seen for
-        the first time is added to it.
-        """
-        for key in self.companion_keys:
-            value = row
-            for part in key.split("/"):  # "aux_huber_ema/h5" is a nested row entry
-                value = value.get(part) if isinstance(value, dict) else None
-            if not _number(value):
-                continue
-            if not math.isfinite(value):
-                return (f"non-finite {key}={value} at {where}: the companion arm diverged, "
-                        "so the comparison it serves is void")
-            first = baselines.setdefault(key, value)
-            if first > 0 and value > self.factor * first:
-                return (f"{key}={value:.4g} at {where} exceeds {self.factor:g} x its first "
-                        f"value ({first:.4g}): the companion arm diverged, so the "
-                        "comparison it serves is void")
-        return None
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _state(part):
@@ -237,6 +120,40 @@ def check_start(config, cls: type, out_dir, *, caller: str, run_id=None) -> None
         raise TypeError(f"{caller} run_id={run_id!r}: give the run's id as non-blank text, or "
                         "None for the run directory's name")
     config.preflight()
+
+
+def train(experiment: Experiment, config, out_dir=None, *, run_id: str | None = None) -> dict:
+    """Train ``experiment`` per ``config``; returns the run record, its rows under the axis
+    key (``trajectory`` or ``steps``).
+
+    With ``out_dir`` the run is recorded there, and a checkpoint left by an interrupted run
+    of the same config is picked up where it stopped; ``None`` trains in memory.
+    """
+    if experiment.config_class is not None:  # before anything is made
+        check_start(config, experiment.config_class, out_dir, caller=f"train_{experiment.kind}",
+                    run_id=run_id)
+    run = experiment.build(config)
+    life = Lifecycle(kind=experiment.kind, config=config, expect=experiment.expectation(config),
+                     parts=experiment.parts(run), out_dir=out_dir, run_id=run_id,
+                     device=experiment.device(run), data=experiment.data_identity(run),
+                     checkpoint_every=config.checkpoint_every,
+                     divergence=experiment.divergence(config), progress=config.progress,
+                     desc=experiment.describe(config))
+    with life:
+        done = life.start()
+        if life.finished:
+            return life.result()
+        if done == 0:
+            experiment.prepare(run, life)
+        bar = life.rows()
+        for index in bar:
+            row = experiment.step(run, index, life)
+            if (shown := experiment.postfix(row)) is not None:
+                bar.set_postfix(**shown)
+            if not life.log(row):
+                break
+        final, work = experiment.finish(run, life.rows_logged, life.status != "running")
+        return life.finish(final, work)
 
 
 def run_path(out_dir) -> Path:

@@ -21,6 +21,7 @@ from lab import records
 from lab.config import ConfigError
 from lab.data import DataError
 from lab.data.prices import MultiHorizonLoader, synthetic_prices, vega_prices
+from lab.rules import aux_lift
 from lab.train import cfc_aux
 from lab.train.cfc_aux import CfCAuxConfig, build_run, forward_losses, train_cfc_aux, train_step
 
@@ -68,13 +69,13 @@ def _ours(run, batch, lifted):
 def test_encoder_gradient_before_and_after_the_lift(monkeypatch):
     run = build_run(_config())
     batch = run.data.sample(16, torch.Generator().manual_seed(1))
-    added, real_add = [], cfc_aux.aux_add  # numba_kernels.aux_add when installed
+    added, real_add = [], aux_lift.aux_add  # numba_kernels.aux_add when installed
 
     def spy(dst, src):
         added.append(tuple(dst.shape))
         return real_add(dst, src)
 
-    monkeypatch.setattr(cfc_aux, "aux_add", spy)
+    monkeypatch.setattr(aux_lift, "aux_add", spy)
     main_only, aux_ref = _reference(run, batch, main=True, aux=True)
     main_only, _ = _reference(run, batch, main=True, aux=False)
     both, _ = _reference(run, batch, main=True, aux=True)
@@ -107,7 +108,7 @@ def test_aux_add_is_the_kernel(monkeypatch):
     monkeypatch.setattr(numba_kernels, "aux_add", lambda d, s: calls.append(1) or real(d, s))
     dst, src = torch.randn(4, 5, 6), torch.randn(4, 5, 6)
     expected = dst + src
-    assert cfc_aux.aux_add(dst, src) is dst and torch.equal(dst, expected)
+    assert aux_lift.aux_add(dst, src) is dst and torch.equal(dst, expected)
     assert calls == [1]
 
 
@@ -243,7 +244,7 @@ def test_multi_bucket_main_trunk():
 
 
 def test_health_emas_start_as_averages_then_decay():
-    health = cfc_aux.AuxHealth(2, decay=0.9)
+    health = aux_lift.AuxHealth(2, decay=0.9)
     health.update([4.0, 1.0], [0.0, 1.0])
     assert health.huber == [4.0, 1.0] and health.acc == [0.0, 1.0]  # the first value as is
     health.update([2.0, 1.0], [1.0, 1.0])
@@ -256,7 +257,7 @@ def test_health_emas_start_as_averages_then_decay():
     assert health.huber[0] == pytest.approx(0.9 * before + 0.1)
     assert health.huber[1] == 1.0 and health.acc[1] == 1.0  # a constant stays exact
     state = health.state_dict()
-    fresh = cfc_aux.AuxHealth(2, decay=0.9)
+    fresh = aux_lift.AuxHealth(2, decay=0.9)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
 
@@ -396,7 +397,7 @@ def test_forward_losses_match_a_direct_float64_computation():
 
 
 def test_health_first_update_takes_the_value_exactly():
-    health = cfc_aux.AuxHealth(3, decay=0.95)
+    health = aux_lift.AuxHealth(3, decay=0.95)
     health.update([0.1, 0.7, 2.3], [0.3, 0.0625, 0.9])
     assert health.huber == [0.1, 0.7, 2.3] and health.acc == [0.3, 0.0625, 0.9]
     assert health.updates == 1 and not health.lifted and health.lift_step is None
@@ -715,7 +716,7 @@ def test_the_lift_takes_effect_from_the_next_step(monkeypatch):
 def test_health_emas_equal_the_running_rule_update_by_update():
     gen = torch.Generator().manual_seed(0)
     values = torch.rand(40, 4, generator=gen, dtype=torch.float64).tolist()
-    health = cfc_aux.AuxHealth(2, decay=0.8)
+    health = aux_lift.AuxHealth(2, decay=0.8)
     huber, acc = [0.0, 0.0], [0.0, 0.0]
     for n, (h0, h1, a0, a1) in enumerate(values, start=1):
         health.update([h0, h1], [a0, a1])
@@ -1005,3 +1006,26 @@ def test_metadata_changes_during_a_read_are_not_content_changes(tmp_path):
         return path.read_text()
     ident, text = read_unchanged(path, read_while_others_look)
     assert ident == file_identity(path) and text == "close\n1\n2\n"
+
+
+def test_lift_fires_only_strictly_past_both_bounds_inside_the_window():
+    def health(huber, acc):
+        h = aux_lift.AuxHealth(2, decay=0.9)
+        h.update(huber, acc)
+        return h
+
+    on_the_bound = health([0.4, 0.1], [0.9, 0.9])  # a Huber EMA equal to its bound
+    on_the_bound.consider_lift(3, 0.4, 0.85, 200)
+    assert not on_the_bound.lifted and on_the_bound.lift_step is None
+    ready = health([0.39, 0.1], [0.86, 0.9])
+    late = health([0.39, 0.1], [0.86, 0.9])
+    late.consider_lift(200, 0.4, 0.85, 200)  # the window holds steps 0..199
+    assert not late.lifted
+    ready.consider_lift(199, 0.4, 0.85, 200)
+    assert ready.lifted and ready.lift_step == 199
+    ready.update([9.0, 9.0], [0.0, 0.0])  # sick again: the lift is irreversible
+    ready.consider_lift(250, 0.4, 0.85, 0)
+    assert ready.lifted and ready.lift_step == 199
+    no_deadline = health([0.39, 0.1], [0.86, 0.9])
+    no_deadline.consider_lift(10**6, 0.4, 0.85, 0)
+    assert no_deadline.lift_step == 10**6

@@ -16,13 +16,12 @@ from lab.config import ConfigError
 from lab.data.text import eval_windows, sample_batch
 from lab.device import seeded
 from lab.models.transformer import Transformer, language_model_loss
+from lab.rules.ep import Governor, ep_gradient
 from lab.train import ep as ep_module
 from lab.train.ep import (
     EPConfig,
-    Governor,
     bp_gradient,
     build_ep,
-    ep_gradient,
     expectation,
     gradient_cosines,
     scheduled_beta,

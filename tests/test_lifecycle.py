@@ -818,3 +818,20 @@ def test_numpy_horizons_resume(tmp_path, train_steps):
     assert (tmp_path / "r" / CHECKPOINT).exists()
     train_steps(cfc_aux)
     assert train_cfc_aux(config, tmp_path / "r")["status"] == "complete"
+
+
+def test_the_experiment_axes_are_the_row_stores():
+    # lab.experiment may not import the run package, so it names the axes itself.
+    from lab import experiment
+
+    assert experiment.AXES == records.AXES
+
+
+def test_every_trainer_is_one_experiment_of_its_config_kind():
+    from lab.experiment import Experiment
+    from lab.train import cfc_aux, conv, ep
+
+    for module, config in ((conv, conv.ConvConfig), (ep, ep.EPConfig),
+                           (cfc_aux, cfc_aux.CfCAuxConfig)):
+        assert isinstance(module.EXPERIMENT, Experiment)
+        assert module.EXPERIMENT.kind == config.KIND and module.EXPERIMENT.config_class is config

@@ -10,21 +10,12 @@ DESIGN section 7. Per step, a batch of feature sequences from a price series
 
 CfC: Hasani et al. 2022, "Closed-form continuous-time neural networks" (``lab.models.cfc``).
 
-*Asymmetric stop-gradient.* The aux trunk and heads always train on the Huber loss (their own
-Adam optimizer: no optimizer state is shared with the main path). Their gradient at the encoder
-output is blocked until the *lift*; after it, that gradient is added to the main path's
-gradient at the encoder output, in place, by ``numba_kernels.aux_add`` inside one autograd
-Function (:class:`AuxJoin`), so the encoder then learns from both losses.
-
-*The lift.* After every step the aux health signals are updated: per horizon, an EMA (decay
-``ema_decay``; the first steps are plain averages, see :class:`AuxHealth`) of the
-aux Huber loss and of the aux direction accuracy (the share of examples where the heads rank
-long vs short as the outcomes do: predicted long > predicted short iff outcome long > outcome
-short). *Within the window* means: the lift fires at the first step s < ``lift_window``
-(counting from 0) after which, on every horizon, Huber EMA < ``lift_huber`` and direction
-accuracy EMA > ``lift_acc``; it is irreversible and takes effect from step s + 1. If it has not
-fired by step ``lift_window``, the aux path stays blocked for the rest of the run (the aux
-trunk did not become healthy in time). ``lift_window = 0`` removes the deadline.
+*Asymmetric stop-gradient and its lift* (the rule: ``lab.rules.aux_lift``). The aux trunk and
+heads always train on the Huber loss, with their own Adam optimizer (no optimizer state is
+shared with the main path); their gradient at the encoder output joins the main path's only
+after the lift, which fires at the first step s < ``lift_window`` (0: no deadline) after which
+every horizon's aux Huber EMA is below ``lift_huber`` and its direction-accuracy EMA above
+``lift_acc`` (EMAs of decay ``ema_decay``), and takes effect from step s + 1.
 ``aux = "never"`` trains the aux path with the lift disabled; ``aux = "none"`` has no aux path.
 
 Each step logs one row (axis ``step``): ``train_loss`` (main BCE, the divergence key),
@@ -44,8 +35,6 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import numba_kernels
 
 from ..config import ConfigError, RunConfig, bounded, choice, configclass
 from ..data import DataError
@@ -73,15 +62,12 @@ from ..device import (
     seeded,
     sync,
 )
-from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
+from ..experiment import Divergence, Expectation, Experiment
+from ..lifecycle import train
 from ..models.cfc import ACTIVATIONS, MODES, CfC
+from ..rules.aux_lift import AuxHealth, AuxJoin
 
 AUX_MODES = ("lift", "never", "none")
-
-
-def aux_add(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst += src in place by the fused kernel (``numba_kernels.aux_add``, CPU or CUDA)."""
-    return numba_kernels.aux_add(dst, src)
 
 
 SYNTHETIC_LENGTH_MAX = 1_000_000
@@ -276,27 +262,6 @@ def main_buckets(config: CfCAuxConfig):
     return tuple((size, edges[k], edges[k + 1]) for k in range(n))
 
 
-class AuxJoin(torch.autograd.Function):
-    """Hand the encoder output to both trunks; join their gradients per the lift.
-
-    Forward: (e, e). Backward: the main gradient, plus the aux gradient (``aux_add``, in place
-    on a fresh buffer, no atomics) when ``lifted``; before the lift the aux gradient is dropped
-    here, so the encoder sees the main path's gradient exactly.
-    """
-
-    @staticmethod
-    def forward(ctx, enc, lifted: bool):
-        ctx.lifted = lifted
-        return enc.view_as(enc), enc.view_as(enc)
-
-    @staticmethod
-    def backward(ctx, grad_main, grad_aux):
-        grad = grad_main.contiguous().clone()  # (B, T, E): never write into autograd's buffer
-        if ctx.lifted:
-            aux_add(grad, grad_aux.contiguous())
-        return grad, None
-
-
 class Encoder(nn.Module):
     """Per-step MLP: features (B, T, window) -> enriched sequence (B, T, enc_dim)."""
 
@@ -337,37 +302,6 @@ class AuxPath(nn.Module):
     def forward(self, e):
         _, h_n = self.trunk(e)
         return self.heads(h_n).chunk(2, dim=-1)
-
-
-class AuxHealth:
-    """Per-horizon EMAs of the aux Huber loss and direction accuracy, and the lift state.
-
-    Update n (from 1) moves each EMA toward the new value by max(1 - decay, 1 / n): the first
-    value is taken as is and the early EMAs are plain averages of what was seen (no bias
-    toward an arbitrary start), after which it is the usual exponential average. A constant
-    input leaves the EMA exactly at that constant.
-    """
-
-    def __init__(self, n_horizons: int, decay: float):
-        self.decay, self.n = decay, n_horizons
-        self.huber = [0.0] * n_horizons
-        self.acc = [0.0] * n_horizons
-        self.updates, self.lifted, self.lift_step = 0, False, None
-
-    def update(self, huber: list[float], acc: list[float]) -> None:
-        self.updates += 1
-        rate = max(1.0 - self.decay, 1.0 / self.updates)
-        self.huber = [m + rate * (v - m) for m, v in zip(self.huber, huber)]
-        self.acc = [m + rate * (v - m) for m, v in zip(self.acc, acc)]
-
-    def state_dict(self) -> dict:
-        return {"huber": list(self.huber), "acc": list(self.acc), "updates": self.updates,
-                "lifted": self.lifted, "lift_step": self.lift_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.huber, self.acc = list(state["huber"]), list(state["acc"])
-        self.updates, self.lifted = int(state["updates"]), bool(state["lifted"])
-        self.lift_step = state["lift_step"]
 
 
 class BestOnValidation:
@@ -495,11 +429,9 @@ def train_step(run: Run, step: int) -> dict:
         return row
     run.opt_aux.step()
     health.update(out["aux_huber"].tolist(), out["aux_acc"].tolist())
+    if cfg.aux == "lift":
+        health.consider_lift(step, cfg.lift_huber, cfg.lift_acc, cfg.lift_window)
     huber, acc = health.huber, health.acc
-    if (cfg.aux == "lift" and not health.lifted
-            and (cfg.lift_window == 0 or step < cfg.lift_window)
-            and all(v < cfg.lift_huber for v in huber) and all(v > cfg.lift_acc for v in acc)):
-        health.lifted, health.lift_step = True, step
     names = [f"h{h}" for h in cfg.horizons]
     row.update(aux_huber_ema=dict(zip(names, huber)), aux_acc_ema=dict(zip(names, acc)),
                lifted=int(health.lifted), lift_step=health.lift_step)
@@ -571,6 +503,79 @@ def expectation(config: CfCAuxConfig) -> Expectation:
                        final=final)
 
 
+def _row(run: Run, step: int) -> dict:
+    """One training step's row, with validation on its cadence."""
+    config = run.config
+    row = train_step(run, step)
+    row["val_loss"] = row["val_acc"] = None
+    # on the cadence and at the last step (when the cadence does not divide steps)
+    if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps) \
+            and math.isfinite(row["train_loss"]):
+        row.update(evaluate(run))
+        if run.best is not None:
+            run.best.offer(run, step, row["val_loss"])
+    return row
+
+
+def _final(run: Run, rows: list[dict], diverged: bool) -> tuple[dict, dict]:
+    sync(run.device)
+    final = {}
+    if not diverged:
+        if run.best is not None:
+            # The test split is read once, at the step validation chose.
+            run.best.offer(run, run.config.steps - 1, evaluate(run)["val_loss"])
+            if run.best.state is not None:
+                run.best.restore(run)
+        final = {**evaluate(run), "val_up_fraction": _fraction(run.data.validation().direction),
+                 "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
+        if run.best is not None:
+            final.update(best_step=run.best.step, **evaluate_test(run))
+    # The lifecycle adds train_wall_s: the whole run's, summed over its sessions.
+    work = {"optimizer_steps": len(rows), "train_examples": len(rows) * run.config.batch_size}
+    return final, work
+
+
+# ---------------------------------------------------------------------------
+# the experiment, as lab.lifecycle.train drives it
+
+
+class CfCAux(Experiment):
+    """A CfC-aux run: one row per step."""
+
+    kind, config_class = CfCAuxConfig.KIND, CfCAuxConfig
+
+    def build(self, config: CfCAuxConfig) -> Run:
+        return build_run(config)
+
+    def expectation(self, config: CfCAuxConfig) -> Expectation:
+        return expectation(config)
+
+    def divergence(self, config: CfCAuxConfig) -> Divergence:
+        return Divergence(eval_keys=("val_loss",), factor=config.diverge_factor,
+                          companion_keys=aux_loss_keys(config))
+
+    def data_identity(self, run: Run) -> dict:
+        return data_identity(run.config, run.data, run.csv)
+
+    def describe(self, config: CfCAuxConfig) -> str:
+        return f"cfc-aux {config.aux} seed {config.seed}"
+
+    def prepare(self, run: Run, life) -> None:
+        life.baseline(initial_loss(run))
+
+    def step(self, run: Run, step: int, life) -> dict:
+        return _row(run, step)
+
+    def postfix(self, row: dict) -> dict:
+        return {"loss": f"{row['train_loss']:.3f}", "lifted": row.get("lifted", 0)}
+
+    def finish(self, run: Run, rows: list[dict], diverged: bool) -> tuple[dict, dict]:
+        return _final(run, rows, diverged)
+
+
+EXPERIMENT = CfCAux()
+
+
 @keeps_threads
 def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
                   run_id: str | None = None) -> dict:
@@ -579,52 +584,4 @@ def train_cfc_aux(config: CfCAuxConfig, out_dir: str | Path | None = None, *,
     With ``out_dir`` the run is recorded there and an interrupted run of the same config
     resumes from its last checkpoint.
     """
-    check_start(config, CfCAuxConfig, out_dir, caller="train_cfc_aux",
-                run_id=run_id)  # before anything is made
-    run = build_run(config)
-    life = Lifecycle(kind=CfCAuxConfig.KIND, config=config, expect=expectation(config),
-                     parts=run.parts(), out_dir=out_dir, run_id=run_id, device=str(run.device),
-                     data=data_identity(config, run.data, run.csv),
-                     checkpoint_every=config.checkpoint_every,
-                     divergence=Divergence(eval_keys=("val_loss",),
-                                           factor=config.diverge_factor,
-                                           companion_keys=aux_loss_keys(config)),
-                     progress=config.progress, desc=f"cfc-aux {config.aux} seed {config.seed}")
-    with life:
-        done = life.start()
-        if life.finished:
-            return life.result()
-        if done == 0:
-            life.baseline(initial_loss(run))
-        bar = life.rows()
-        for step in bar:
-            row = train_step(run, step)
-            row["val_loss"] = row["val_acc"] = None
-            # on the cadence and at the last step (when the cadence does not divide steps)
-            if config.eval_every and ((step + 1) % config.eval_every == 0
-                                      or step + 1 == config.steps) \
-                    and math.isfinite(row["train_loss"]):
-                row.update(evaluate(run))
-                if run.best is not None:
-                    run.best.offer(run, step, row["val_loss"])
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", lifted=row.get("lifted", 0))
-            if not life.log(row):
-                break
-        sync(run.device)
-        final = {}
-        if life.status == "running":
-            if run.best is not None:
-                # The test split is read once, at the step validation chose.
-                run.best.offer(run, config.steps - 1, evaluate(run)["val_loss"])
-                if run.best.state is not None:
-                    run.best.restore(run)
-            final = {**evaluate(run),
-                     "val_up_fraction": _fraction(run.data.validation().direction),
-                     "lifted": int(run.health.lifted), "lift_step": run.health.lift_step}
-            if run.best is not None:
-                final.update(best_step=run.best.step, **evaluate_test(run))
-        # The lifecycle adds train_wall_s: the whole run's, summed over its sessions.
-        work = {"optimizer_steps": len(life.rows_logged),
-                "train_examples": len(life.rows_logged) * config.batch_size}
-        return life.finish(final, work)
-
+    return train(EXPERIMENT, config, out_dir, run_id=run_id)

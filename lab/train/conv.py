@@ -43,14 +43,15 @@ from ..device import (
 )
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
-from ..lifecycle import Divergence, Expectation, Lifecycle, check_start
+from ..experiment import Divergence, Expectation, Experiment
+from ..lifecycle import train
 from ..models import ResNet
 from ..rules import RULES, make_rule, resolve_params, rule_class
 from ..rules.base import check_example_needs, check_step_result
 from ..rules.registry import check_params_in_dtype
 from ..rules.registry import rule_params as params_of
+from .common import DTYPES
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
 
 
@@ -280,7 +281,7 @@ def build_run(config: ConvConfig) -> Run:
                steps_per_epoch)
 
 
-def _train_epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
+def _train_epoch(run: Run, epoch: int, kind: str, life) -> dict:
     model, cfg = run.model, run.config
     model.train()
     device = run.device
@@ -334,59 +335,7 @@ def expectation(config: ConvConfig) -> Expectation:
         undefined=("alignment/",) if config.alignment_every else ())
 
 
-@keeps_threads
-def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
-               run_id: str | None = None) -> dict:
-    """Train per ``config``; returns the run record with its rows under ``trajectory``.
-
-    With ``out_dir`` the run is recorded there, and a checkpoint left by an
-    interrupted run of the same config is picked up where it stopped.
-    """
-    check_start(config, ConvConfig, out_dir, caller="train_conv",
-                run_id=run_id)  # before anything is made
-    run = build_run(config)
-    life = Lifecycle(kind=ConvConfig.KIND, config=config, expect=expectation(config),
-                     parts=parts(run),
-                     out_dir=out_dir, run_id=run_id, device=str(run.device),
-                     data=run.data.identity,
-                     checkpoint_every=config.checkpoint_every,
-                     divergence=Divergence(factor=config.diverge_factor),
-                     progress=config.progress, desc=f"{config.rule} seed {config.seed}")
-    with life:
-        if life.start() == 0:
-            # Calibrations and warm-ups of a fresh run; a resumed one restores them.
-            run.rule.prepare(run.data.train.x, run.data.train.y)
-        if life.finished:
-            return life.result()
-        kind = config.augment if config.augment != "auto" else run.data.augment
-        bar = life.rows()
-        for epoch in bar:
-            row = _epoch(run, epoch, kind, life)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=row["val_acc"])
-            if not life.log(row):
-                break
-        final = {}
-        if life.status == "running":
-            test_loss, test_acc = _evaluate(run.model, run.data.test, config.eval_batch_size)
-            last = life.rows_logged[-1]
-            final = {"test_loss": test_loss, "test_acc": test_acc,
-                     "train_loss": last["train_loss"], "train_acc": last["train_acc"],
-                     "val_acc": last.get("val_acc")}
-            probe = run.data.train
-            n = min(config.alignment_batch, len(probe.y))
-            diagnostics = run.rule.final_metrics(probe.x[:n], probe.y[:n])
-            if diagnostics:
-                final["rule"] = diagnostics
-        examples = len(life.rows_logged) * len(run.data.train.y)
-        work = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
-                "optimizer_steps": len(life.rows_logged) * run.steps_per_epoch}
-        if config.schedule == "onecycle":  # what the schedule used, when a short run moved it
-            work["warmup_fraction_used"] = onecycle_warmup(
-                config, config.epochs * run.steps_per_epoch)
-        return life.finish(final, work)
-
-
-def _epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
+def _epoch(run: Run, epoch: int, kind: str, life) -> dict:
     config = run.config
     start = time.perf_counter()
     row = {**_train_epoch(run, epoch, kind, life), "val_loss": None, "val_acc": None}
@@ -407,3 +356,80 @@ def _epoch(run: Run, epoch: int, kind: str, life: Lifecycle) -> dict:
     sync(run.device)
     row["epoch_wall_s"] = time.perf_counter() - start
     return row
+
+
+def _final(run: Run, rows: list[dict], diverged: bool) -> tuple[dict, dict]:
+    """The test split, evaluated once after the last epoch, and the run's bill."""
+    config, final = run.config, {}
+    if not diverged:
+        test_loss, test_acc = _evaluate(run.model, run.data.test, config.eval_batch_size)
+        last = rows[-1]
+        final = {"test_loss": test_loss, "test_acc": test_acc,
+                 "train_loss": last["train_loss"], "train_acc": last["train_acc"],
+                 "val_acc": last.get("val_acc")}
+        probe = run.data.train
+        n = min(config.alignment_batch, len(probe.y))
+        diagnostics = run.rule.final_metrics(probe.x[:n], probe.y[:n])
+        if diagnostics:
+            final["rule"] = diagnostics
+    examples = len(rows) * len(run.data.train.y)
+    work = {**bill(run.rule, run.model, run.data.train.x.shape[1:], examples),
+            "optimizer_steps": len(rows) * run.steps_per_epoch}
+    if config.schedule == "onecycle":  # what the schedule used, when a short run moved it
+        work["warmup_fraction_used"] = onecycle_warmup(config, config.epochs * run.steps_per_epoch)
+    return final, work
+
+
+# ---------------------------------------------------------------------------
+# the experiment, as lab.lifecycle.train drives it
+
+
+class Conv(Experiment):
+    """A conv run: one row per epoch."""
+
+    kind, config_class = ConvConfig.KIND, ConvConfig
+
+    def build(self, config: ConvConfig) -> Run:
+        return build_run(config)
+
+    def parts(self, run: Run) -> dict:
+        return parts(run)
+
+    def expectation(self, config: ConvConfig) -> Expectation:
+        return expectation(config)
+
+    def divergence(self, config: ConvConfig) -> Divergence:
+        return Divergence(factor=config.diverge_factor)
+
+    def data_identity(self, run: Run) -> dict:
+        return run.data.identity
+
+    def describe(self, config: ConvConfig) -> str:
+        return f"{config.rule} seed {config.seed}"
+
+    def prepare(self, run: Run, life) -> None:
+        run.rule.prepare(run.data.train.x, run.data.train.y)
+
+    def step(self, run: Run, epoch: int, life) -> dict:
+        kind = run.config.augment
+        return _epoch(run, epoch, kind if kind != "auto" else run.data.augment, life)
+
+    def postfix(self, row: dict) -> dict:
+        return {"loss": f"{row['train_loss']:.3f}", "val_acc": row["val_acc"]}
+
+    def finish(self, run: Run, rows: list[dict], diverged: bool) -> tuple[dict, dict]:
+        return _final(run, rows, diverged)
+
+
+EXPERIMENT = Conv()
+
+
+@keeps_threads
+def train_conv(config: ConvConfig, out_dir: str | Path | None = None, *,
+               run_id: str | None = None) -> dict:
+    """Train per ``config``; returns the run record with its rows under ``trajectory``.
+
+    With ``out_dir`` the run is recorded there, and a checkpoint left by an
+    interrupted run of the same config is picked up where it stopped.
+    """
+    return train(EXPERIMENT, config, out_dir, run_id=run_id)

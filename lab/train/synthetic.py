@@ -10,12 +10,14 @@ can check resume, kills, row stores and divergence in milliseconds per step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..config import bounded, choice, configclass
-from ..lifecycle import Divergence, Expectation, Lifecycle
+from ..experiment import Divergence, Expectation, Experiment
+from ..lifecycle import train
 
 
 @configclass
@@ -47,6 +49,10 @@ class _Weights:
         self.w = state["w"].clone()
 
 
+def _loss(weights: _Weights) -> float:
+    return 0.5 * float(weights.w.square().sum())
+
+
 def expectation(config: SyntheticConfig) -> Expectation:
     periodic = (("val_loss", config.eval_every * config.stride, 0),) if config.eval_every else ()
     return Expectation(axis="step", count=config.steps, stride=config.stride,
@@ -58,7 +64,7 @@ def _row(config: SyntheticConfig, weights: _Weights, generator: torch.Generator,
     for _ in range(config.stride):
         noise = torch.randn(config.dim, generator=generator, dtype=torch.float64)
         weights.w -= config.lr * (weights.w + 0.1 * noise)
-    loss = 0.5 * float(weights.w.square().sum())
+    loss = _loss(weights)
     row = {"train_loss": loss,
            "m": {f"{i}": loss * (i + 1) for i in range(config.n_metrics - 1)}}
     if config.eval_every and position % config.eval_every == 0:
@@ -68,20 +74,46 @@ def _row(config: SyntheticConfig, weights: _Weights, generator: torch.Generator,
     return row
 
 
+@dataclass
+class _Run:
+    config: SyntheticConfig
+    weights: _Weights
+    generator: torch.Generator
+
+
+@dataclass
+class Synthetic(Experiment):
+    """The synthetic run: it checks no config or directory, and names no device or data."""
+
+    divergence_policy: Divergence = field(default_factory=Divergence)
+    kind = "synthetic"
+
+    def build(self, config: SyntheticConfig) -> _Run:
+        generator = torch.Generator().manual_seed(config.seed)
+        return _Run(config, _Weights(config.dim, generator), generator)
+
+    def parts(self, run: _Run) -> dict:
+        return {"weights": run.weights, "generator": run.generator}
+
+    def expectation(self, config: SyntheticConfig) -> Expectation:
+        return expectation(config)
+
+    def divergence(self, config: SyntheticConfig) -> Divergence:
+        return self.divergence_policy
+
+    def device(self, run: _Run) -> None:
+        return None
+
+    def prepare(self, run: _Run, life) -> None:
+        life.baseline(_loss(run.weights))
+
+    def step(self, run: _Run, position: int, life) -> dict:
+        return _row(run.config, run.weights, run.generator, position)
+
+    def finish(self, run: _Run, rows: list[dict], diverged: bool) -> tuple[dict, None]:
+        return {"final_loss": _loss(run.weights)}, None
+
+
 def train_synthetic(config: SyntheticConfig, out_dir: str | Path | None = None, *,
                     run_id: str | None = None, divergence: Divergence | None = None) -> dict:
-    generator = torch.Generator().manual_seed(config.seed)
-    weights = _Weights(config.dim, generator)
-    life = Lifecycle(kind="synthetic", config=config, expect=expectation(config),
-                     parts={"weights": weights, "generator": generator}, out_dir=out_dir,
-                     run_id=run_id, checkpoint_every=config.checkpoint_every,
-                     divergence=divergence or Divergence(), progress=config.progress)
-    with life:
-        if life.start() == 0:
-            life.baseline(0.5 * float(weights.w.square().sum()))
-        if life.finished:
-            return life.result()
-        for position in life.rows():
-            if not life.log(_row(config, weights, generator, position)):
-                break
-        return life.finish({"final_loss": 0.5 * float(weights.w.square().sum())})
+    return train(Synthetic(divergence or Divergence()), config, out_dir, run_id=run_id)
