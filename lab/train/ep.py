@@ -512,8 +512,8 @@ class EP(Experiment):
 
     def divergence(self, config: EPConfig) -> Divergence:
         # The twin is the reference EP is judged by: its blowing up voids the run. A drift
-        # that is not finite is states that overflowed in the nudged phase: the governor's
-        # skips would only repeat it every step.
+        # that is not finite means the nudged phase overflowed, which the governor's skips
+        # would only repeat every step.
         return Divergence(eval_keys=("val_loss", "bp_val_loss"), companion_keys=("bp_train_loss",),
                           finite_keys=("drift",),
                           finite_hint=": the nudged phase overflowed (is "
