@@ -61,6 +61,8 @@ BREAKS = [
     ("analysis-no-torch", "analysis/checks.py", "from lab.data import DataError",
      "analysis.checks -> lab.data"),
     ("acyclic", "lab/models/layers.py", "import lab.rules.common", ".models -> .rules"),
+    ("experiment-interface", "lab/experiment.py", "import lab.records",
+     "lab.experiment -> lab.records"),
 ]
 
 
