@@ -278,8 +278,10 @@ class UnitQuadratic(UnitAffine):
 class ChannelLinear:
     """At each position W h + b, W a map over the population's channels, b per channel,
     both shared over positions; learned from instruction-off (h, T) only, by normalised
-    LMS with the channels' batch covariance S (over examples and positions, +1e-12 tr(S)/k
-    on its diagonal): W += eta mean(r x^T) S^-1 (centred), b += eta mean(r). Float64."""
+    LMS with the channels' batch covariance S (over examples and positions, +1e-4 tr(S)/k
+    on its diagonal, so a channel direction with almost no variance barely moves W; the
+    fixed point, mean(r x^T) = 0, is the least-squares map whatever the ridge):
+    W += eta mean(r x^T) S^-1 (centred), b += eta mean(r). Float64."""
 
     def __init__(self, n: int):
         self.W: list[torch.Tensor | None] = [None] * n
@@ -308,7 +310,7 @@ class ChannelLinear:
         xc, rc = x - x.mean(0), r - r.mean(0)
         cov = xc.T @ xc / len(x)
         k = cov.shape[0]
-        cov = cov + (1e-12 * float(cov.diagonal().sum()) / k + 1e-300) * torch.eye(
+        cov = cov + (1e-4 * float(cov.diagonal().sum()) / k + 1e-300) * torch.eye(
             k, dtype=cov.dtype, device=cov.device)
         step = torch.linalg.solve(cov, (xc.T @ rc / len(x))).T  # mean(r x^T) S^-1
         self.W[i].copy_(W + eta * step)
