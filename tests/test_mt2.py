@@ -215,3 +215,23 @@ def test_mixing_on_a_single_channel_population_is_refused_before_a_kernel_starts
     traffic = MixingTraffic(1, 0, "traffic", 0, mixing=0.3)
     with pytest.raises(ConfigError, match=r"mixing=0.3 needs at least 2 channels.*\(1, 5\)"):
         traffic.ensure(0, torch.zeros(4, 1, 5, dtype=torch.float64))
+
+
+def test_the_report_pairs_each_run_with_its_clean_reference_on_the_fixture():
+    import json
+    from pathlib import Path
+
+    from analysis import load_protocol_runs, mt2
+
+    fixture = Path(__file__).parent / "fixtures" / "mt2"
+    frame = mt2.run_frame(load_protocol_runs(fixture / "protocol.yaml"))
+    assert len(frame) == 18
+    for run_id, row in frame.iterrows():
+        record = json.loads((fixture / "runs" / run_id / "record.json").read_text())
+        clean = json.loads((fixture / "runs" / run_id.replace(
+            f"traffic_rule-{row.traffic_rule}", "traffic_rule-none") / "record.json").read_text())
+        acc, ref = record["final"].get("test_acc"), clean["final"]["test_acc"]
+        if row.traffic_rule == "none" or acc is None:
+            assert math.isnan(row.gap)
+        else:
+            assert row.gap == pytest.approx(ref - acc, abs=1e-12)
