@@ -52,8 +52,11 @@ def identity(config: dict) -> dict:
 # stored config without the key is read with it. kp_traffic and sdil added the traffic to
 # the gradient (anti-Hebbian) before traffic_sign existed. Torch-free, so `lab runs` and
 # the analyses read old records the way resumes and sweeps do.
-LEGACY_RULE_PARAMS = {"kp_traffic": {"traffic_sign": "anti_hebbian"},
-                      "sdil": {"traffic_sign": "anti_hebbian"}}
+# MT-2's keys: runs before them had the seed's traffic and predictor.
+_BEFORE_MT2 = {"traffic_model": "linear", "mixing": 0.5, "noise": 0.0,
+               "predictor": "unit_affine"}
+LEGACY_RULE_PARAMS = {"kp_traffic": {"traffic_sign": "anti_hebbian", **_BEFORE_MT2},
+                      "sdil": {"traffic_sign": "anti_hebbian", **_BEFORE_MT2}}
 
 
 def with_legacy_params(config) -> dict:

@@ -47,6 +47,8 @@ from .reference import (
                         aux_add_reference,
                         mixed_apical_reference,
                         mixed_local_reference,
+                        mixed_traffic_local_reference,
+                        mixed_traffic_reference,
                         predictor_update_reference,
 )
 from .results import MixedApical, MixedLocal, PredictorStats
@@ -65,6 +67,8 @@ __all__ = [
     "mixed_apical_reference",
     "mixed_local",
     "mixed_local_reference",
+    "mixed_traffic_local_reference",
+    "mixed_traffic_reference",
     "predictor_update",
     "predictor_update_reference",
     "start_pool",

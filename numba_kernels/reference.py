@@ -140,3 +140,68 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
     grad, dgamma, dbeta = local(used)
     return MixedLocal(grad, local(I)[0] if instruction else None,
                       torch.where(on, I, zero) if masked else None, dgamma, dbeta, *sums)
+
+
+def mixed_traffic_reference(I, T, prediction, rule: str,  # noqa: E741
+                            sign: str = "hebbian") -> MixedApical:
+    """The signals for any traffic model and predictor (MT-2): T and the prediction are
+    given as (B, *U) tensors, R_d = d + s T, N_d = d + s (T - prediction), M_d as above."""
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
+    s = sign_factor(sign)
+    d = -I
+    R = d + s * T
+    N = d + s * (T - prediction)
+    if rule == "raw":
+        chosen = R
+    elif rule == "innovation":
+        chosen = N
+    else:
+        dims = tuple(range(1, I.dim()))
+        ss_r = R.square().sum(dim=dims, dtype=torch.float64)
+        ss_n = N.square().sum(dim=dims, dtype=torch.float64)
+        scale = (torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
+                 + (ss_r - ss_r) + (ss_n - ss_n))
+        chosen = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
+    used = -chosen
+    return MixedApical(used, torch.stack([_ss(I), _ss(T), _ss(R), _ss(N), _ss(used)]))
+
+
+def mixed_traffic_local_reference(I, h, o, T, prediction, rule: str, mean=None,  # noqa: E741
+                                  invstd=None, gamma=None, scale: float = 1.0,
+                                  instruction: bool = False, masked: bool = False,
+                                  sign: str = "hebbian") -> MixedLocal:
+    """``mixed_local_reference`` for any traffic model and predictor (T, prediction given)."""
+    if rule not in LOCAL_RULES:
+        raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
+    mixed = mixed_traffic_reference(I, T, prediction,
+                                    "innovation" if rule == "none" else rule, sign)
+    return _local_from(mixed, I, h, o, rule, mean, invstd, gamma, scale, instruction, masked)
+
+
+def _local_from(mixed, I, h, o, rule, mean, invstd, gamma, scale, instruction,  # noqa: E741
+                masked) -> MixedLocal:
+    used = I if rule == "none" else mixed.used
+    sums = (mixed.ss_instruction if rule == "none" else mixed.ss_used, mixed.ss_instruction,
+            mixed.ss_raw, mixed.ss_innovation, mixed.ss_traffic)
+    on = h > 0
+    zero = torch.zeros((), dtype=I.dtype)
+    shape = (1, -1) + (1,) * (I.dim() - 2)
+    dims = tuple(d for d in range(I.dim()) if d != 1)
+    count = I.numel() // I.shape[1]
+
+    def local(signal):
+        m = torch.where(on, scale * signal, zero)
+        if mean is None:
+            return m, None, None
+        xhat = (o.double() - mean.double().view(shape)) * invstd.double().view(shape)
+        s_m = m.double().sum(dims)
+        s_mx = (m.double() * xhat).sum(dims)
+        k = invstd.double() * (1.0 if gamma is None else gamma.double())
+        v = k.view(shape) * (m.double() - (s_m / count).view(shape)
+                             - xhat * (s_mx / count).view(shape))
+        return v.to(I.dtype), s_mx.to(I.dtype), s_m.to(I.dtype)
+
+    grad, dgamma, dbeta = local(used)
+    return MixedLocal(grad, local(I)[0] if instruction else None,
+                      torch.where(on, I, zero) if masked else None, dgamma, dbeta, *sums)

@@ -85,6 +85,127 @@ class LinearTraffic:
         self.coefficients = _cloned(state["coefficients"])
 
 
+class SaturatingTraffic(LinearTraffic):
+    """T = g C s tanh(h / s), s the population's activity RMS on the first calibration
+    batch: a per-unit nonlinearity no affine predictor fits exactly."""
+
+    def __init__(self, n: int, seed: int, stream: str, traffic_seed: int):
+        super().__init__(n, seed, stream, traffic_seed)
+        self.scales: list[float | None] = [None] * n
+
+    def _shape(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        if self.scales[i] is None:
+            self.scales[i] = float(h.double().square().mean().sqrt()) or 1.0
+        s = self.scales[i]
+        return s * torch.tanh(h / s)
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return (self.coefficients[i] * self.gains[i]) * self._shape(i, h)
+
+    def unit_squares(self, hs) -> list[float]:
+        return [float((self.coefficients[i].double() * self._shape(i, h.double())).square()
+                      .sum()) for i, h in enumerate(hs)]
+
+    def state(self) -> dict:
+        return {**super().state(), "scales": list(self.scales)}
+
+    def load(self, state: dict) -> None:
+        super().load(state)
+        self.scales = list(state["scales"])
+
+
+class MixingTraffic(LinearTraffic):
+    """T = g C (M h): M a fixed random map over channels at each position, the fraction
+    ``mixing`` of its energy off the diagonal; C per channel (a unit's traffic depends on
+    its neighbours' activity)."""
+
+    def __init__(self, n: int, seed: int, stream: str, traffic_seed: int, mixing: float):
+        super().__init__(n, seed, stream, traffic_seed)
+        self.mixing = mixing
+        self.maps: list[torch.Tensor | None] = [None] * n
+
+    def ensure(self, i: int, h: torch.Tensor) -> None:
+        if self.coefficients[i] is not None:
+            return
+        k = h.shape[1]
+        if self.mixing > 0 and k < 2:
+            raise ConfigError(
+                f"rule_params.mixing={self.mixing} needs at least 2 channels to mix, but "
+                f"population {i} has per-example shape {tuple(h.shape[1:])}; allowed on it: "
+                f"mixing=0")
+        generator = torch.Generator().manual_seed(derive_seed(*self._seed, i))
+        c = torch.exp(0.25 * torch.randn(k, generator=generator, dtype=torch.float64))
+        off = torch.randn(k, k, generator=generator, dtype=torch.float64)
+        off.fill_diagonal_(0.0)
+        # M = sqrt(1 - m) Id + sqrt(m) O: energy k, the fraction m of it off the diagonal.
+        m = torch.eye(k, dtype=torch.float64) * math.sqrt(1 - self.mixing)
+        if k > 1:
+            m = m + off * (math.sqrt(self.mixing * k) / off.norm())
+        self.coefficients[i] = c.to(h)
+        self.maps[i] = m.to(h)
+
+    def _mixed(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1) + (1,) * (h.dim() - 2)
+        mh = torch.einsum("kc,bc...->bk...", self.maps[i].to(h), h)
+        return self.coefficients[i].to(h).view(shape) * mh
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return self.gains[i] * self._mixed(i, h)
+
+    def unit_squares(self, hs) -> list[float]:
+        return [float(self._mixed(i, h.double()).square().sum()) for i, h in enumerate(hs)]
+
+    def state(self) -> dict:
+        return {**super().state(), "maps": _cloned(self.maps)}
+
+    def load(self, state: dict) -> None:
+        super().load(state)
+        self.maps = _cloned(state["maps"])
+
+
+class NoisyTraffic(LinearTraffic):
+    """T = g C h + e, e zero-mean Gaussian drawn fresh at every call, RMS ``noise`` x the
+    RMS of g C h at calibration: a share noise / sqrt(1 + noise^2) of RMS(T) that no
+    predictor can remove. g is calibrated so that RMS(T) (both parts) is the ratio."""
+
+    def __init__(self, n: int, seed: int, stream: str, traffic_seed: int, noise: float):
+        super().__init__(n, seed, stream, traffic_seed)
+        self.noise = noise
+        self.sigmas = [0.0] * n
+        self.numels = [0] * n
+        self.generator = torch.Generator().manual_seed(
+            derive_seed(seed, stream, traffic_seed, "noise"))
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        t = super().__call__(i, h)
+        if not self.sigmas[i]:
+            return t
+        e = torch.randn(h.shape, generator=self.generator, dtype=h.dtype)
+        return t + self.sigmas[i] * e.to(h.device)
+
+    def unit_squares(self, hs) -> list[float]:
+        for i, h in enumerate(hs):
+            self.numels[i] += h.numel()
+        return super().unit_squares(hs)
+
+    def calibrate(self, rule: str, ratio: float, ss_i: list, ss_ch: list, dtype) -> None:
+        # RMS(T)^2 = g^2 RMS(C h)^2 (1 + noise^2) = (ratio RMS(I))^2.
+        spread = math.sqrt(1 + self.noise ** 2)
+        super().calibrate(rule, ratio / spread, ss_i, ss_ch, dtype)
+        self.sigmas = [self.noise * g * math.sqrt(sc / n) if n else 0.0
+                       for g, sc, n in zip(self.gains, ss_ch, self.numels)]
+        self.numels = [0] * len(self.numels)
+
+    def state(self) -> dict:
+        return {**super().state(), "sigmas": list(self.sigmas),
+                "noise_generator": self.generator.get_state()}
+
+    def load(self, state: dict) -> None:
+        super().load(state)
+        self.sigmas = list(state["sigmas"])
+        self.generator.set_state(state["noise_generator"])
+
+
 class UnitAffine:
     """P h + b per unit, learned by normalised LMS (``numba_kernels.predictor_update``)."""
 
@@ -115,6 +236,129 @@ class UnitAffine:
         self.P, self.b = _cloned(state["P"]), _cloned(state["b"])
 
 
+class UnitQuadratic(UnitAffine):
+    """P1 h + P2 h^2 + b per unit, learned from instruction-off (h, T) of its own unit by
+    normalised LMS over the two centred features x = (h, h^2): W += eta S^-1 mean_b(r x),
+    S the features' 2 x 2 batch covariance per unit (+1e-12 on its diagonal),
+    b += eta mean_b(r). Float64 reductions, rounded to the parameters' dtype once."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.P2: list[torch.Tensor | None] = [None] * n
+
+    def ensure(self, i: int, h: torch.Tensor) -> None:
+        if self.P[i] is None:
+            super().ensure(i, h)
+            self.P2[i] = torch.zeros_like(self.P[i])
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return (self.P[i] + self.P2[i] * h) * h + self.b[i]
+
+    def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
+        h64, T64 = h.double(), T.double()
+        q = h64.square()
+        r = T64 - (self.P[i].double() * h64 + self.P2[i].double() * q + self.b[i].double())
+        hc, qc, rc = h64 - h64.mean(0), q - q.mean(0), r - r.mean(0)
+        a, c, d = (hc * hc).mean(0) + 1e-12, (hc * qc).mean(0), (qc * qc).mean(0) + 1e-12
+        u, v = (rc * hc).mean(0), (rc * qc).mean(0)
+        det = a * d - c * c
+        det = torch.where(det > 1e-24 * a * d, det, torch.inf)  # a degenerate unit: no step
+        self.P[i].copy_(self.P[i].double() + eta * (d * u - c * v) / det)
+        self.P2[i].copy_(self.P2[i].double() + eta * (a * v - c * u) / det)
+        self.b[i].copy_(self.b[i].double() + eta * r.mean(0))
+
+    def state(self) -> dict:
+        return {**super().state(), "P2": _cloned(self.P2)}
+
+    def load(self, state: dict) -> None:
+        super().load(state)
+        self.P2 = _cloned(state["P2"])
+
+
+class ChannelLinear:
+    """At each position W h + b, W a map over the population's channels, b per channel,
+    both shared over positions; learned from instruction-off (h, T) only, by normalised
+    LMS with the channels' batch covariance S (over examples and positions, +1e-4 tr(S)/k
+    on its diagonal, so a channel direction with almost no variance barely moves W; the
+    fixed point, mean(r x^T) = 0, is the least-squares map whatever the ridge):
+    W += eta mean(r x^T) S^-1 (centred), b += eta mean(r). Float64."""
+
+    def __init__(self, n: int):
+        self.W: list[torch.Tensor | None] = [None] * n
+        self.b: list[torch.Tensor | None] = [None] * n
+
+    P = property(lambda self: self.W)
+
+    def ensure(self, i: int, h: torch.Tensor) -> None:
+        if self.W[i] is None:
+            k = h.shape[1]
+            self.W[i] = torch.zeros(k, k, dtype=h.dtype, device=h.device)
+            self.b[i] = torch.zeros(k, dtype=h.dtype, device=h.device)
+
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:  # (B, k, *S) -> (B prod S, k)
+        return x.movedim(1, -1).reshape(-1, x.shape[1])
+
+    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        out = self._rows(h) @ self.W[i].T + self.b[i]
+        return out.reshape(*h.movedim(1, -1).shape).movedim(-1, 1)
+
+    def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
+        x, t = self._rows(h.double()), self._rows(T.double())
+        W, b = self.W[i].double(), self.b[i].double()
+        r = t - x @ W.T - b
+        xc, rc = x - x.mean(0), r - r.mean(0)
+        cov = xc.T @ xc / len(x)
+        k = cov.shape[0]
+        cov = cov + (1e-4 * float(cov.diagonal().sum()) / k + 1e-300) * torch.eye(
+            k, dtype=cov.dtype, device=cov.device)
+        step = torch.linalg.solve(cov, (xc.T @ rc / len(x))).T  # mean(r x^T) S^-1
+        self.W[i].copy_(W + eta * step)
+        self.b[i].copy_(b + eta * r.mean(0))
+
+    @property
+    def units(self) -> int:
+        return sum(b.numel() for b in self.b if b is not None)
+
+    def macs(self, positions: int) -> int:
+        """Multiply-adds of one prediction over ``positions`` (examples x positions)."""
+        return positions * sum(w.numel() for w in self.W if w is not None)
+
+    def state(self) -> dict:
+        return {"W": _cloned(self.W), "b": _cloned(self.b)}
+
+    def load(self, state: dict) -> None:
+        self.W, self.b = _cloned(state["W"]), _cloned(state["b"])
+
+
+TRAFFIC_MODELS = ("linear", "saturating", "mixing", "noisy")
+PREDICTORS = {"unit_affine": UnitAffine, "unit_quadratic": UnitQuadratic,
+              "channel_linear": ChannelLinear}
+
+
+def make_traffic(params, n: int, seed: int, stream: str):
+    """The traffic model ``params.traffic_model`` names (ConfigError naming the choices)."""
+    model = getattr(params, "traffic_model", "linear")
+    args = (n, seed, stream, params.traffic_seed)
+    if model == "linear":
+        return LinearTraffic(*args)
+    if model == "saturating":
+        return SaturatingTraffic(*args)
+    if model == "mixing":
+        return MixingTraffic(*args, params.mixing)
+    if model == "noisy":
+        return NoisyTraffic(*args, params.noise)
+    raise ConfigError(f"rule_params.traffic_model={model!r}; allowed: "
+                      f"{', '.join(TRAFFIC_MODELS)}")
+
+
+def make_predictor(params, n: int):
+    name = getattr(params, "predictor", "unit_affine")
+    if name not in PREDICTORS:
+        raise ConfigError(f"rule_params.predictor={name!r}; allowed: {', '.join(PREDICTORS)}")
+    return PREDICTORS[name](n)
+
+
 def _delegate(part: str, name: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, value: setattr(getattr(self, part), name, list(value)))
@@ -129,8 +373,11 @@ class Apical:
 
     def __init__(self, rule: str, n: int, params, seed: int, stream: str):
         self.rule_name, self.params = rule, params
-        self.traffic = LinearTraffic(n, seed, stream, params.traffic_seed)
-        self.predictor = UnitAffine(n)
+        self.traffic = make_traffic(params, n, seed, stream)
+        self.predictor = make_predictor(params, n)
+        # The fused numba kernels hold the seed's pair; any other pair runs the torch form.
+        self.fused = type(self.traffic) is LinearTraffic and type(self.predictor) is UnitAffine
+        self.shapes: dict = {}  # per-example shape of each population seen
         self.predictor_updates = 0
         self.predictor_examples = 0  # examples the predictor updates saw (the bill)
         self.reset_sums()
@@ -144,11 +391,11 @@ class Apical:
     def ensure(self, hs) -> None:
         """Size the per-unit tensors to the populations the first time they are seen."""
         for i, h in (hs.items() if isinstance(hs, dict) else enumerate(hs)):
-            have = self.P[i]
-            if have is not None and tuple(have.shape) != tuple(h.shape[1:]):
+            have = self.shapes.setdefault(i, tuple(h.shape[1:]))
+            if have != tuple(h.shape[1:]):
                 raise ValueError(f"{self.rule_name}: population {i} has per-example shape "
                                  f"{tuple(h.shape[1:])}, but the rule's per-unit tensors have "
-                                 f"{tuple(have.shape)}")
+                                 f"{have}")
             self.traffic.ensure(i, h)
             self.predictor.ensure(i, h)
 
@@ -165,12 +412,20 @@ class Apical:
         """``rule``'s used signal (default: the rule's own; ``none`` gives innovation's) and
         the sums of squares, for I in d(sum loss)/dh units divided by ``batch``."""
         rule = rule or self.params.traffic_rule
+        if not self.fused:
+            return numba_kernels.mixed_traffic_reference(
+                I, self.traffic(i, h) / batch, self.predictor(i, h) / batch,
+                "innovation" if rule == "none" else rule, self.params.traffic_sign)
         return numba_kernels.mixed_apical(I, h, **self._units(i, batch),
                                           rule="innovation" if rule == "none" else rule)
 
     def local(self, i: int, g: torch.Tensor, h: torch.Tensor, o: torch.Tensor, batch: int,
               **kw) -> numba_kernels.MixedLocal:
         """Population i's fused backward step (``numba_kernels.mixed_local``), g = I / B."""
+        if not self.fused:
+            return numba_kernels.mixed_traffic_local_reference(
+                g, h, o, self.traffic(i, h) / batch, self.predictor(i, h) / batch,
+                rule=self.params.traffic_rule, sign=self.params.traffic_sign, **kw)
         return numba_kernels.mixed_local(g, h, o, **self._units(i, batch),
                                          rule=self.params.traffic_rule, **kw)
 

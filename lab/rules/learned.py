@@ -66,6 +66,8 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, valida
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
+    PREDICTORS,
+    TRAFFIC_MODELS,
     TRAFFIC_RATIO_MAX,
     TRAFFIC_RULES,
     TRAFFIC_SIGNS,
@@ -318,6 +320,11 @@ class SDILParams:
     predictor_warmup_steps: int = bounded(100, 0)
     predictor_batch: int = bounded(128, 1)
     traffic_sign: str = choice("hebbian", TRAFFIC_SIGNS)  # as kp_traffic's
+    # MT-2: what the traffic is (apical.TRAFFIC_MODELS) and what predicts it.
+    traffic_model: str = choice("linear", TRAFFIC_MODELS)
+    mixing: float = bounded(0.5, 0.0, 1.0)  # traffic_model=mixing: M's energy off the diagonal
+    noise: float = bounded(0.0, 0.0)  # traffic_model=noisy: noise RMS / the traffic's
+    predictor: str = choice("unit_affine", PREDICTORS)
 
     def __post_init__(self):
         validate(self)

@@ -42,7 +42,9 @@ from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, valida
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
+    PREDICTORS,
     SIGNALS,
+    TRAFFIC_MODELS,
     TRAFFIC_RATIO_MAX,
     TRAFFIC_RULES,
     TRAFFIC_SIGNS,
@@ -72,6 +74,11 @@ class TrafficParams:
     # hebbian: the traffic is added to the descent direction (the seed's); anti_hebbian:
     # to the gradient (what runs made before this parameter existed did).
     traffic_sign: str = choice("hebbian", TRAFFIC_SIGNS)
+    # MT-2: what the traffic is (apical.TRAFFIC_MODELS) and what predicts it.
+    traffic_model: str = choice("linear", TRAFFIC_MODELS)
+    mixing: float = bounded(0.5, 0.0, 1.0)  # traffic_model=mixing: M's energy off the diagonal
+    noise: float = bounded(0.0, 0.0)  # traffic_model=noisy: noise RMS / the traffic's
+    predictor: str = choice("unit_affine", PREDICTORS)
 
     def __post_init__(self):
         validate(self)
