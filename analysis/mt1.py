@@ -292,8 +292,8 @@ def ratio_frame(data, numerator: str, denominator: str) -> pd.DataFrame:
     return frame
 
 
-def _label(column) -> str:
-    return ", ".join(map(str, column)) if isinstance(column, tuple) else str(column)
+def _label(column, sep: str = ", ") -> str:
+    return sep.join(map(str, column)) if isinstance(column, tuple) else str(column)
 
 
 def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
@@ -303,7 +303,8 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
     with an x on its condition's line at the epoch where it diverged, and named in the
     legend."""
     log = flag(log, "lines", "log")
-    fig = Figure(figsize=(5.5, 3.4), layout="constrained")
+    grouped = isinstance(frame.columns, pd.MultiIndex)
+    fig = Figure(figsize=(8.5 if grouped else 5.5, 3.4), layout="constrained")
     ax = fig.subplots()
     # A condition with no finite value (a ratio over zero traffic at traffic_ratio 0) draws
     # nothing: named on the panel, not left as an empty axis.
@@ -313,9 +314,10 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
         # styles cycle with the colours: conditions that coincide (innovation on none)
         # hid each other
         stops = diverged.get(condition, [])
-        said = "; ".join(f"seed {seed} diverged at epoch {epoch}" for seed, epoch in stops)
+        said = ", ".join(str(epoch) for _, epoch in stops)
         line, = ax.plot(frame.index, frame[condition],
-                        label=_label(condition) + (f" ({said})" if said else ""),
+                        label=_label(condition) + (f" (diverged at epoch {said})"
+                                                   if said else ""),
                         linestyle=("-", "--", "-.", ":")[k % 4])
         at = [epoch for _, epoch in stops if epoch in frame.index]
         if at:
@@ -330,9 +332,9 @@ def lines(frame: pd.DataFrame, ylabel: str, *, log: bool = False) -> Figure:
     if log and len(undefined) < len(frame.columns):
         ax.set_yscale("log")
     if ax.lines:
-        grouped = isinstance(frame.columns, pd.MultiIndex)
+        # (beside the axes: eight conditions and their divergences hid the lines)
         ax.legend(fontsize="small", title="traffic_rule, traffic_sign" if grouped
-                  else "traffic_rule")
+                  else "traffic_rule", loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -344,14 +346,16 @@ def rms_panels(data) -> Figure:
     signs = sorted(table[SIGN].unique())
     frames = {s: epoch_frame(data, f"rule/apical/rms_{s}/mean") for s in SIGNALS}
     fig = Figure(figsize=(3.2 * len(conditions), 3.0 * len(signs)), layout="constrained")
-    grid = fig.subplots(len(signs), len(conditions), squeeze=False, sharey=True)
+    grid = fig.subplots(len(signs), len(conditions), squeeze=False, sharex=True, sharey=True)
     for row, sign in zip(grid, signs):
         for ax, condition in zip(row, conditions):
+            stops = frames[SIGNALS[0]].attrs["diverged"].get((condition, sign), [])
             for k, signal in enumerate(SIGNALS):
                 frame = frames[signal]
+                # points too: a run that diverged in epoch 0 has one, which no line draws
                 ax.plot(frame.index, frame[(condition, sign)], label=signal,
-                        linestyle=("-", "--", "-.", ":")[k % 4])  # equal signals stay apart
-            stops = frames[SIGNALS[0]].attrs["diverged"].get((condition, sign), [])
+                        linestyle=("-", "--", "-.", ":")[k % 4],  # equal signals stay apart
+                        marker="." if stops else None)
             said = ", ".join(str(epoch) for _, epoch in stops)
             ax.set_title(f"{condition}, {sign}" + (f"\ndiverged at epoch {said}"
                                                     if said else ""), fontsize="small")
@@ -370,7 +374,7 @@ def alignment_bars(data) -> Figure:
     populations the means cover (mean over seeds / all); a bar over fewer than
     all populations is hatched."""
     stats = final_table(data)
-    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 1.2 * len(stats)), 3.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(ALIGNED)
     total = stats["populations/mean"]
@@ -386,12 +390,12 @@ def alignment_bars(data) -> Figure:
         covered = stats.loc[key, [f"align_{s}/populations/mean" for s in ALIGNED]]
         low, high = covered.min(), covered.max()
         span = f"{low:g}" if low == high else f"{low:g}-{high:g}"
-        stopped = stats.loc[key, "diverged"]
+        stopped, name = stats.loc[key, "diverged"], _label(key, "\n")
         if stopped == stats.loc[key, "seeds"]:  # no finals: no bar, said on the tick
-            ticks.append(f"{_label(key)}\nall {stopped} diverged")
+            ticks.append(f"{name}\nall {stopped} diverged")
             continue
         more = f"\n{stopped} of {stats.loc[key, 'seeds']} diverged" if stopped else ""
-        ticks.append(f"{_label(key)}\n{span}/{total[key]:g} populations{more}")
+        ticks.append(f"{name}\n{span}/{total[key]:g} populations{more}")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(stats))], ticks, fontsize="small")
     ax.set_ylabel("cos(signal, BP gradient)")
     ax.set_title("mean over the populations where defined (hatched: not all of them); "
