@@ -14,6 +14,7 @@ from analysis.completeness import IncompleteProtocolError
 FIXTURE = Path(__file__).parent / "fixtures" / "mt1" / "protocol.yaml"
 RAW0 = "rule_params.traffic_rule-raw_seed-0"
 INNOVATION1 = "rule_params.traffic_rule-innovation_seed-1"
+SIGN = "anti_hebbian"  # the fixture's runs were made before the sign was a choice
 
 
 @pytest.fixture
@@ -24,17 +25,20 @@ def data():
 def test_the_fixture_is_complete_and_summarised(data):
     mt1.check_mt1_complete(data)
     finals = mt1.final_table(data)
-    assert sorted(finals.index) == ["innovation", "matched", "none", "raw"]
+    assert sorted(finals.index) == [(c, SIGN) for c in ("innovation", "matched", "none", "raw")]
+    assert (finals["diverged"] == 0).all() and (finals["diverged_at"] == "").all()
     # Independent value: the mean test accuracy of a condition from the run table.
     table = data.table()
-    for condition in finals.index:
+    for condition, _ in finals.index:
         accs = table.loc[table[mt1.CONDITION] == condition, "final.test_acc"]
-        assert finals.loc[condition, "test_acc/mean"] == pytest.approx(accs.mean(), abs=1e-12)
+        assert finals.loc[(condition, SIGN), "test_acc/mean"] == pytest.approx(accs.mean(),
+                                                                             abs=1e-12)
     # The calibrated traffic is 4x the instruction: innovation/traffic starts near 1/4 when
     # the predictor has removed the traffic (none and innovation share the same traffic).
     ratio = mt1.ratio_frame(data, "innovation", "traffic")
-    assert 0.15 < ratio.loc[0, "innovation"] < 0.35
-    assert ratio.loc[0, "none"] == pytest.approx(ratio.loc[0, "innovation"], rel=1e-2)
+    assert 0.15 < ratio.loc[0, ("innovation", SIGN)] < 0.35
+    assert ratio.loc[0, ("none", SIGN)] == pytest.approx(ratio.loc[0, ("innovation", SIGN)],
+                                                         rel=1e-2)
     for figure in (mt1.rms_panels(data), mt1.alignment_bars(data),
                    mt1.lines(mt1.epoch_frame(data, "rule/feedback/mean_cos"), "cos")):
         assert figure._repr_png_().startswith(b"\x89PNG")
@@ -44,15 +48,16 @@ def test_lines_name_conditions_with_no_finite_value(data):
     # At traffic_ratio 0 every RMS(innovation) / RMS(traffic) is inf: the panel drew only
     # a legend and an empty axis.
     ratio = mt1.ratio_frame(data, "innovation", "traffic")
-    ratio["raw"] = math.inf
+    ratio[("raw", SIGN)] = math.inf
     fig = mt1.lines(ratio, "RMS(innovation) / RMS(traffic)", log=True)
     ax = fig.axes[0]
-    assert [line.get_label() for line in ax.lines] == [c for c in ratio.columns if c != "raw"]
-    assert [t.get_text() for t in ax.texts] == ["undefined (no finite value) for: raw"]
+    assert [line.get_label() for line in ax.lines] == [
+        f"{c}, {SIGN}" for c, _ in ratio.columns if c != "raw"]
+    assert [t.get_text() for t in ax.texts] == [f"undefined (no finite value) for: raw, {SIGN}"]
     ratio[:] = math.inf
     ax = mt1.lines(ratio, "r", log=True).axes[0]
     assert not ax.lines and ax.get_legend() is None and ax.get_yscale() == "linear"
-    assert ax.texts[0].get_text().endswith(", ".join(map(str, ratio.columns)))
+    assert ax.texts[0].get_text().endswith(", ".join(f"{c}, {SIGN}" for c, _ in ratio.columns))
     assert mt1.lines(ratio, "r")._repr_png_().startswith(b"\x89PNG")
 
 
@@ -94,8 +99,9 @@ def test_a_non_finite_value_is_named(data):
 
 def test_an_undefined_diagnostic_needs_a_silent_population(data):
     finals = mt1.final_table(data)
-    assert finals.loc["raw", "silent_populations/mean"] > 0  # raw traffic silenced them
-    assert math.isnan(finals.loc["raw", "predictor_residual_ratio/mean"])
+    raw = ("raw", SIGN)
+    assert finals.loc[raw, "silent_populations/mean"] > 0  # raw traffic silenced them
+    assert math.isnan(finals.loc[raw, "predictor_residual_ratio/mean"])
     m = data.metrics.copy()
     hit = (m["run_id"] == INNOVATION1) & (m["metric"] == "rule/predictor_residual_ratio")
     m.loc[hit, "value"] = math.nan
@@ -191,13 +197,13 @@ def test_the_alignment_mean_says_how_many_populations_it_covers(data):
     raw = table[table[mt1.CONDITION] == "raw"]
     top = "final.rule/signal_alignment/{}/block2.outer"
     for signal in mt1.ALIGNED:
-        assert finals.loc["raw", f"align_{signal}/populations/mean"] == 1
-        assert finals.loc["raw", f"align_{signal}/mean"] == pytest.approx(
+        assert finals.loc[("raw", SIGN), f"align_{signal}/populations/mean"] == 1
+        assert finals.loc[("raw", SIGN), f"align_{signal}/mean"] == pytest.approx(
             raw[top.format(signal)].mean(), abs=1e-12)
-        assert finals.loc["none", f"align_{signal}/populations/mean"] == 7
+        assert finals.loc[("none", SIGN), f"align_{signal}/populations/mean"] == 7
     assert (finals["populations/mean"] == 7).all()
-    assert (finals.loc["raw", "silent_populations/mean"]
-            == finals.loc["raw", "populations/mean"])
+    assert (finals.loc[("raw", SIGN), "silent_populations/mean"]
+            == finals.loc[("raw", SIGN), "populations/mean"])
     # Counted from the per-population cosines, independently of the recorded mean.
     covered = mt1.populations_covered(data)
     cos = table.filter(like="final.rule/signal_alignment/used/").drop(
@@ -208,8 +214,8 @@ def test_the_alignment_mean_says_how_many_populations_it_covers(data):
     fig = mt1.alignment_bars(data)
     ax = fig.axes[0]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
-    assert ticks[list(finals.index).index("raw")] == "raw\n1/7 populations"
-    assert ticks[list(finals.index).index("none")] == "none\n7/7 populations"
+    assert ticks[list(finals.index).index(("raw", SIGN))] == f"raw\n{SIGN}\n1/7 populations"
+    assert ticks[list(finals.index).index(("none", SIGN))] == f"none\n{SIGN}\n7/7 populations"
     hatched = [bar.get_hatch() for bar in ax.patches]
     assert hatched.count("//") == len(mt1.ALIGNED)  # one raw bar per signal
 
@@ -225,7 +231,7 @@ def test_a_quantity_undefined_in_one_seed_is_counted_not_hidden(data):
     table = mt1.final_table(data)
     other = finals[(finals["axis"] == "final") & (finals["metric"] == key)
                    & (finals["run_id"] == INNOVATION1.replace("seed-1", "seed-0"))]["value"]
-    row = table.loc["innovation"]
+    row = table.loc[("innovation", SIGN)]
     assert row["seeds"] == 2 and row["predictor_residual_ratio/n"] == 1
     assert row["predictor_residual_ratio/mean"] == pytest.approx(float(other.iloc[0]), abs=0)
     assert row["test_acc/n"] == 2
@@ -243,3 +249,107 @@ def test_a_mistyped_metric_or_signal_is_named_not_an_empty_figure(data):
                                          r"\(did you mean .*\); recorded per epoch: .*"
                                          r"rule/apical/rms_traffic/mean"):
         mt1.ratio_frame(data, "nope", "traffic")
+
+
+def _diverge(data, run_id, epoch):
+    """``run_id`` as a run that diverged at ``epoch``: its rows up to that one (the
+    training loss there non-finite), no final metrics, status and error as the lifecycle
+    writes them."""
+    m = data.metrics
+    mine = m["run_id"] == run_id
+    keep = ~mine | ((m["axis"] == "epoch") & (m["index"] <= epoch))
+    m = m[keep].copy()
+    m.loc[(m["run_id"] == run_id) & (m["index"] == epoch) & (m["metric"] == "train_loss"),
+          "value"] = math.nan
+    data.metrics = m
+    runs = data.runs.copy()
+    hit = runs["run_id"] == run_id
+    runs.loc[hit, "status"] = "diverged"
+    runs.loc[hit, "n_rows"] = epoch + 1
+    runs.loc[hit, "error"] = f"non-finite training loss train_loss=nan at epoch {epoch}"
+    runs.loc[hit, [c for c in runs.columns if c.startswith("final.")]] = math.nan
+    data.runs = runs
+
+
+def test_a_diverged_run_is_a_result_summarised_with_its_epoch(data):
+    before = mt1.final_table(data)
+    loss = mt1.epoch_frame(data, "train_loss")
+    raw1 = data.metrics[(data.metrics["run_id"] == RAW0.replace("seed-0", "seed-1"))
+                        & (data.metrics["axis"] == "epoch")
+                        & (data.metrics["metric"] == "train_loss")].set_index("index")["value"]
+    _diverge(data, RAW0, 2)
+    mt1.check_mt1_complete(data)  # not a gap
+    runs = mt1.outcomes(data).set_index("run_id")
+    assert runs.loc[RAW0, "status"] == "diverged" and runs.loc[RAW0, "diverged_epoch"] == 2
+    assert runs.loc[RAW0, "error"].endswith("at epoch 2")
+    assert runs["diverged_epoch"].drop(RAW0).isna().all()
+    finals = mt1.final_table(data)
+    raw = ("raw", SIGN)
+    assert finals.loc[raw, "diverged"] == 1 and finals.loc[raw, "diverged_at"] == "2"
+    assert finals.loc[raw, "seeds"] == 2 and finals.loc[raw, "test_acc/n"] == 1
+    # the finals are the seed that finished; the other conditions do not move
+    test_acc1 = data.table().set_index("run_id").loc[RAW0.replace("seed-0", "seed-1"),
+                                                     "final.test_acc"]
+    assert finals.loc[raw, "test_acc/mean"] == test_acc1
+    others = [k for k in finals.index if k != raw]
+    pd.testing.assert_frame_equal(finals.loc[others], before.loc[others])
+    # the trajectory counts up to the divergence: epoch 1 is both seeds' mean, from epoch 2
+    # (seed 0's loss non-finite) only seed 1
+    after = mt1.epoch_frame(data, "train_loss")
+    assert after.loc[1, raw] == loss.loc[1, raw]
+    assert after.loc[2, raw] == raw1[2] and after.loc[3, raw] == raw1[3]
+    assert after.attrs["diverged"] == {raw: [(0, 2)]}
+    ax = mt1.lines(after, "train loss").axes[0]
+    assert f"raw, {SIGN} (diverged at epoch 2)" in [
+        line.get_label() for line in ax.lines]
+    marks = [line for line in ax.lines if line.get_marker() == "x"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [2]
+    for figure in (mt1.rms_panels(data), mt1.alignment_bars(data),
+                   mt1.lines(mt1.ratio_frame(data, "used", "instruction"), "r", log=True)):
+        assert figure._repr_png_().startswith(b"\x89PNG")
+
+
+def test_a_condition_whose_every_seed_diverged_is_said_not_drawn_as_a_bar(data):
+    _diverge(data, RAW0, 2)
+    _diverge(data, RAW0.replace("seed-0", "seed-1"), 1)
+    mt1.check_mt1_complete(data)
+    finals = mt1.final_table(data)
+    raw = ("raw", SIGN)
+    assert finals.loc[raw, "diverged"] == 2 and finals.loc[raw, "diverged_at"] == "1, 2"
+    assert finals.loc[raw, "test_acc/n"] == 0 and math.isnan(finals.loc[raw, "test_acc/mean"])
+    ax = mt1.alignment_bars(data).axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks[list(finals.index).index(raw)] == f"raw\n{SIGN}\nall 2 diverged"
+
+
+def test_a_diverged_run_missing_a_row_before_its_divergence_is_a_gap(data):
+    _diverge(data, RAW0, 2)
+    m = data.metrics
+    data.metrics = m[~((m["run_id"] == RAW0) & (m["index"] == 1))]
+    assert _problems(data) == [f"{RAW0}: epochs 1 missing (has 2 of 3 rows)"]
+
+
+def test_a_failed_run_is_still_refused(data):
+    runs = data.runs.copy()
+    runs.loc[runs["run_id"] == RAW0, ["status", "error"]] = ["failed", "RuntimeError: boom"]
+    data.runs = runs
+    assert _problems(data) == [f"{RAW0}: status 'failed', not 'complete': RuntimeError: boom"]
+
+
+def test_every_table_is_per_traffic_sign_too(data):
+    # The fixture as if its seed-1 runs had the other sign: one grid key more, eight groups
+    # of one run each, each group's value that run's.
+    data.specs = [type(s)(s.run_id, s.params,
+                          {**s.grid, mt1.SIGN: ("anti_hebbian", "hebbian")[s.grid["seed"]]})
+                  for s in data.specs]
+    mt1.check_mt1_complete(data)
+    finals = mt1.final_table(data)
+    assert len(finals) == 8 and (finals["seeds"] == 1).all()
+    for _, row in data.table().iterrows():
+        key = (row[mt1.CONDITION], row[mt1.SIGN])
+        assert finals.loc[key, "test_acc/mean"] == row["final.test_acc"]
+    assert mt1.epoch_frame(data, "train_loss").shape[1] == 8
+    fig = mt1.rms_panels(data)
+    assert len(fig.axes) == 8
+    assert sorted(ax.get_title() for ax in fig.axes)[:2] == ["innovation, anti_hebbian",
+                                                            "innovation, hebbian"]

@@ -960,7 +960,7 @@ def test_ids_of_the_committed_protocols_name_their_runs():
     ids = {s.run_id for p in sorted((ROOT / "protocols").glob("*.yaml"))
            if not _waits_for_selection(p) for s in expand(load_protocol(p, configs=False))}
     assert "rule-kp_seed-0_weight_decay-0.001" in ids and "K-1_beta-0.1_seed-0" in ids
-    assert "rule_params.traffic_rule-innovation_seed-2" in ids
+    assert "rule_params.traffic_rule-innovation_rule_params.traffic_sign-hebbian_seed-2" in ids
     assert all(re.fullmatch(r"[A-Za-z0-9._=,+-]+", i) and not re.search(r"-[0-9a-f]{8}(_|$)", i)
                for i in ids)  # ordinary values: no digest anywhere
 
