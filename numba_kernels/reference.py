@@ -64,6 +64,11 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
     T = gC * h  # (B, *U) the traffic
     R = d + s * T
     N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
+    return _chosen(I, T, R, N, rule)
+
+
+def _chosen(I, T, R, N, rule: str) -> MixedApical:  # noqa: E741
+    """The rule's signal from raw R_d and innovation N_d, handed over as a gradient."""
     if rule == "raw":
         chosen = R
     elif rule == "innovation":
@@ -116,30 +121,7 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     mixed = mixed_apical_reference(I, h, C, gain, P, b,
                                    "innovation" if rule == "none" else rule, sign)
-    used = I if rule == "none" else mixed.used
-    sums = (mixed.ss_instruction if rule == "none" else mixed.ss_used, mixed.ss_instruction,
-            mixed.ss_raw, mixed.ss_innovation, mixed.ss_traffic)
-    on = h > 0
-    zero = torch.zeros((), dtype=I.dtype)
-    shape = (1, -1) + (1,) * (I.dim() - 2)
-    dims = tuple(d for d in range(I.dim()) if d != 1)
-    count = I.numel() // I.shape[1]
-
-    def local(signal):
-        m = torch.where(on, scale * signal, zero)
-        if mean is None:
-            return m, None, None
-        xhat = (o.double() - mean.double().view(shape)) * invstd.double().view(shape)
-        s_m = m.double().sum(dims)  # (channels,)
-        s_mx = (m.double() * xhat).sum(dims)
-        k = invstd.double() * (1.0 if gamma is None else gamma.double())
-        v = k.view(shape) * (m.double() - (s_m / count).view(shape)
-                             - xhat * (s_mx / count).view(shape))
-        return v.to(I.dtype), s_mx.to(I.dtype), s_m.to(I.dtype)
-
-    grad, dgamma, dbeta = local(used)
-    return MixedLocal(grad, local(I)[0] if instruction else None,
-                      torch.where(on, I, zero) if masked else None, dgamma, dbeta, *sums)
+    return _local_from(mixed, I, h, o, rule, mean, invstd, gamma, scale, instruction, masked)
 
 
 def mixed_traffic_reference(I, T, prediction, rule: str,  # noqa: E741
@@ -150,21 +132,7 @@ def mixed_traffic_reference(I, T, prediction, rule: str,  # noqa: E741
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
     s = sign_factor(sign)
     d = -I
-    R = d + s * T
-    N = d + s * (T - prediction)
-    if rule == "raw":
-        chosen = R
-    elif rule == "innovation":
-        chosen = N
-    else:
-        dims = tuple(range(1, I.dim()))
-        ss_r = R.square().sum(dim=dims, dtype=torch.float64)
-        ss_n = N.square().sum(dim=dims, dtype=torch.float64)
-        scale = (torch.where(ss_r > 0, (ss_n / ss_r.clamp_min(1e-300)).sqrt(), 0.0)
-                 + (ss_r - ss_r) + (ss_n - ss_n))
-        chosen = R * scale.to(I.dtype).view(-1, *([1] * (I.dim() - 1)))
-    used = -chosen
-    return MixedApical(used, torch.stack([_ss(I), _ss(T), _ss(R), _ss(N), _ss(used)]))
+    return _chosen(I, T, d + s * T, d + s * (T - prediction), rule)
 
 
 def mixed_traffic_local_reference(I, h, o, T, prediction, rule: str, mean=None,  # noqa: E741
