@@ -373,6 +373,7 @@ class _StepRow(_Model):
 
 
 _ROWS = {"epoch": _EpochRow, "step": _StepRow}
+_NAMES = "a list of metric names (non-empty strings)"
 
 
 class _Expect(_Model):
@@ -383,11 +384,11 @@ class _Expect(_Model):
     count: Count = Field(description="a row count: an int >= 0")
     stride: Annotated[StrictInt, Field(ge=1)] = Field(
         1, description="an int >= 1 (axis value per row)")
-    metrics: list[Name] = Field([], description="a list of metric names (non-empty strings)")
+    metrics: list[Name] = Field([], description=_NAMES)
     periodic: list[tuple[Name, Annotated[StrictInt, Field(ge=1)], StrictInt]] = Field(
         [], description="a list of [metric name, every (an int >= 1), offset (an int)] entries")
-    final: list[Name] = Field([], description="a list of metric names (non-empty strings)")
-    undefined: list[Name] = Field([], description="a list of metric names (non-empty strings)")
+    final: list[Name] = Field([], description=_NAMES)
+    undefined: list[Name] = Field([], description=_NAMES)
 
 
 _Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -443,7 +444,7 @@ class _Record3(_Record2):
                          AfterValidator(_tiled)] = Field(
         description="a dict {axis: [[start, end, sha256], ...]}: parts tiling the rows from "
                     "0, each end > start, sha256 as 64 lowercase hex digits")
-    final_in_rows: list[Name] = Field(description="a list of final metric names")
+    final_in_rows: list[Name] = Field(description=_NAMES)
 
 
 _VERSIONS = dict(zip(READABLE_VERSIONS, (_Record1, _Record2, _Record3), strict=True))
@@ -479,7 +480,7 @@ def _raise_first(err: ValidationError, model: type[BaseModel], path, prefix: str
         found = f"a dict with key {found}"
     field = model.model_fields.get(loc[0]) if loc else None
     allowed = field.description if field else "a value of the schema"
-    if loc[:1] == ("expect",) and len(loc) > 1:
+    if issubclass(model, _Record1) and loc[:1] == ("expect",) and len(loc) > 1:
         if error["type"] == "extra_forbidden":  # the one section that refuses unknown keys
             _fail(path, _name(prefix, loc), "not a field of expect", f"the fields "
                   f"{', '.join(_Expect.model_fields)} (lab.lifecycle.Expectation)")
