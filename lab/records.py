@@ -394,15 +394,14 @@ class _Expect(_Model):
 _Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
-def _tiled(parts: dict) -> dict:
-    for axis, entries in parts.items():
-        position = 0
-        for start, end, _ in entries:
-            if start != position or end <= start:
-                raise ValueError(f"part [{start}, {end}) of {axis} does not start at "
-                                 f"{position} (the previous part's end) with end > start")
-            position = end
-    return parts
+def _tiled(entries: list) -> list:
+    position = 0
+    for start, end, _ in entries:
+        if start != position or end <= start:
+            raise ValueError(f"part [{start}, {end}) does not start at {position} (the "
+                             "previous part's end) with end > start")
+        position = end
+    return entries
 
 
 class _Record1(_Model):
@@ -440,8 +439,8 @@ class _Record2(_Record1):
 class _Record3(_Record2):
     """Version 3: every committed row part verifiable by its sha256."""
 
-    row_parts: Annotated[dict[Axis, list[tuple[Count, Count, _Sha256]]],
-                         AfterValidator(_tiled)] = Field(
+    row_parts: dict[Axis, Annotated[list[tuple[Count, Count, _Sha256]],
+                                    AfterValidator(_tiled)]] = Field(
         description="a dict {axis: [[start, end, sha256], ...]}: parts tiling the rows from "
                     "0, each end > start, sha256 as 64 lowercase hex digits")
     final_in_rows: list[Name] = Field(description=_NAMES)
