@@ -9,31 +9,11 @@ A run lives in its own directory::
         checkpoint.pt      optional, written by the run lifecycle
         <notebook>.ipynb   optional, the executed notebook (papermill)
 
-``record.json`` (schema version 3) holds one object::
-
-    schema_version  int, == SCHEMA_VERSION (versions 1 and 2 are still read)
-    run_id          str (by convention the run directory's name)
-    kind            str, which trainer made it ("conv", "ep", "cfc", ...)
-    status          one of STATUSES
-    config          dict, asdict(config) of the run's frozen config
-    environment     dict, see environment()
-    expect          dict or null: what a complete run holds (lab.lifecycle.Expectation)
-    rows            {axis: number of rows committed}, axis "epoch" or "step"
-    row_parts       {axis: [[start, end, sha256], ...]}: the committed parts of the row
-                    store in order (rows [start, end) each, the sha256 of its bytes),
-                    added as each part is committed; every reader checks the parts
-                    against it (version 3)
-    final_in_rows   list of final metric names whose value is the last row's value of
-                    the same name (written by the lifecycle at the end, checked on read;
-                    version 3)
-    final           dict of final metrics
-    work            dict, the compute bill (may be empty)
-    data            optional dict: what identifies the data the run read (absolute
-                    paths, sizes and sha256 of data files, split sizes), declared by
-                    the trainer; a resume on other data is refused (lab.lifecycle)
-    error           str or null (why a run failed or diverged)
-    created         ISO-8601 str, kept when a run is saved again
-    updated         ISO-8601 str, refreshed by every save
+``record.json`` holds one object: the pydantic model ``_Record3`` below says every
+field and what it allows (``_Record1`` and ``_Record2``: the older versions still read).
+``row_parts`` lists each committed part of the row store with its sha256, and
+``final_in_rows`` the final metrics that repeat the last row's value; every reader
+checks both. Fields a record holds beyond the model (``code``) are kept, unchecked.
 
 The rows live outside the record so that a save costs in proportion to the
 rows added since the last one, not to the whole history: :func:`append_rows`
@@ -80,10 +60,22 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pandas as pd
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    StrictStr,
+    Tag,
+    ValidationError,
+)
+from typing_extensions import TypeAliasType
 
 from . import runlock
 
@@ -108,7 +100,6 @@ PACKAGES = ("lab", "torch", "numpy", "pandas", "numba", "papermill", "dask")
 
 _NONFINITE_TO_STR = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-_METRIC_ALLOWED = "a number, null, or a dict/list of those"
 
 
 class RecordError(ValueError):
@@ -324,7 +315,138 @@ def read_json(path) -> object:
 
 
 # ---------------------------------------------------------------------------
-# validation
+# validation: one pydantic model per schema version; errors name file, field, value, allowed
+
+
+# Metric values: Python and numpy numbers and bools (metrics code makes numpy scalars).
+_NUMBERS = (int, float, np.number, np.bool_)
+
+# The branch a nested value takes; these tags are dropped from a field's name in errors.
+_TAGS = ("#", "{}", "[]")
+
+
+def _tag(leaf: tuple):
+    def tag(value: Any) -> str | None:
+        if isinstance(value, leaf):
+            return "#"
+        if isinstance(value, dict):
+            return "{}"
+        return "[]" if isinstance(value, list | tuple) else None
+
+    return tag
+
+
+def _nested(name: str, leaf: tuple, allowed: str):
+    return TypeAliasType(name, Annotated[
+        Annotated[Any, Tag("#")] | Annotated[dict[StrictStr, name], Tag("{}")]
+        | Annotated[list[name], Tag("[]")],
+        Discriminator(_tag(leaf), custom_error_type="value", custom_error_message=allowed)])
+
+
+_JSON_ALLOWED = "JSON values: str, number, bool, null, and lists/dicts (string keys) of those"
+_METRIC_ALLOWED = "a number, null, or a dict/list of those"
+Json = _nested("Json", (*_NUMBERS, str, type(None)), _JSON_ALLOWED)
+Metric = _nested("Metric", (*_NUMBERS, type(None)), _METRIC_ALLOWED)
+Name = Annotated[StrictStr, Field(min_length=1)]
+Count = Annotated[StrictInt, Field(ge=0)]
+Axis = Literal["epoch", "step"]
+Timestamp = Annotated[StrictStr, AfterValidator(datetime.fromisoformat)]
+
+# In memory, rows travel with the record under these keys (save_run writes them to the store).
+ROW_KEYS = {"epoch": "trajectory", "step": "steps"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _EpochRow(_Model):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Metric]
+    epoch: StrictInt = Field(description="an int epoch")
+
+
+class _StepRow(_Model):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Metric]
+    step: StrictInt = Field(description="an int step")
+
+
+_ROWS = {"epoch": _EpochRow, "step": _StepRow}
+_NAMES = "a list of metric names (non-empty strings)"
+
+
+class _Expect(_Model):
+    """The completeness declaration (``lab.lifecycle.Expectation.as_dict``): every reader
+    indexes it, so a hand-edited one is refused here, not as a KeyError there."""
+
+    axis: Axis = Field(description=f"one of {', '.join(AXES)}")
+    count: Count = Field(description="a row count: an int >= 0")
+    stride: Annotated[StrictInt, Field(ge=1)] = Field(
+        1, description="an int >= 1 (axis value per row)")
+    metrics: list[Name] = Field([], description=_NAMES)
+    periodic: list[tuple[Name, Annotated[StrictInt, Field(ge=1)], StrictInt]] = Field(
+        [], description="a list of [metric name, every (an int >= 1), offset (an int)] entries")
+    final: list[Name] = Field([], description=_NAMES)
+    undefined: list[Name] = Field([], description=_NAMES)
+
+
+_Sha256 = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _tiled(entries: list) -> list:
+    position = 0
+    for start, end, _ in entries:
+        if start != position or end <= start:
+            raise ValueError(f"part [{start}, {end}) does not start at {position} (the "
+                             "previous part's end) with end > start")
+        position = end
+    return entries
+
+
+class _Record1(_Model):
+    """Version 1: the rows inside the record."""
+
+    model_config = ConfigDict(extra="allow")  # fields added by later code are kept, unchecked
+    schema_version: StrictInt
+    run_id: Name = Field(description="a non-empty string")
+    kind: Name = Field(description="a non-empty string")
+    status: Literal[STATUSES] = Field(description=f"one of {', '.join(STATUSES)}")
+    config: dict[StrictStr, Json] = Field(description="a dict (asdict(config))")
+    environment: dict[StrictStr, Json] = Field(description="a dict (lab.records.environment())")
+    final: dict[StrictStr, Metric] = Field(description="a dict of final metrics")
+    work: dict[StrictStr, Metric] = Field(description="a dict (the compute bill, may be empty)")
+    error: StrictStr | None = Field(description="a string or null")
+    created: Timestamp = Field(description="an ISO-8601 timestamp string")
+    updated: Timestamp = Field(description="an ISO-8601 timestamp string")
+    data: dict[StrictStr, Json] = Field({}, description="a dict (what identifies the data)")
+    notebook_params: dict[StrictStr, Json] = Field(
+        {}, description="a dict of the notebook's own parameters, or absent")
+    trajectory: list[_EpochRow] = Field(description="a list of per-epoch dicts")
+    steps: list[_StepRow] = Field(description="a list of per-step dicts (may be empty)")
+
+
+class _Record2(_Record1):
+    """Version 2: a row store outside the record, with counts and a declaration."""
+
+    trajectory: list[_EpochRow] = Field([], description="a list of per-epoch dicts")
+    steps: list[_StepRow] = Field([], description="a list of per-step dicts (may be empty)")
+    expect: _Expect | None = Field(description="a dict (lab.lifecycle.Expectation) or null")
+    rows: dict[Axis, Count] = Field(
+        description=f"a dict {{axis: row count >= 0}} with axes from {', '.join(AXES)}")
+
+
+class _Record3(_Record2):
+    """Version 3: every committed row part verifiable by its sha256."""
+
+    row_parts: dict[Axis, Annotated[list[tuple[Count, Count, _Sha256]],
+                                    AfterValidator(_tiled)]] = Field(
+        description="a dict {axis: [[start, end, sha256], ...]}: parts tiling the rows from "
+                    "0, each end > start, sha256 as 64 lowercase hex digits")
+    final_in_rows: list[Name] = Field(description=_NAMES)
+
+
+_VERSIONS = dict(zip(READABLE_VERSIONS, (_Record1, _Record2, _Record3), strict=True))
 
 
 def _describe(value: Any) -> str:
@@ -340,193 +462,46 @@ def _fail(path, field: str, found: str, allowed: str):
     )
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass, but True is not an epoch or a schema version.
-    return isinstance(value, int) and not isinstance(value, bool)
+def _name(prefix: str, loc: tuple) -> str:
+    for key in loc:
+        prefix += f"[{key}]" if isinstance(key, int) else f".{key}" if prefix else key
+    return prefix or "<root>"
 
 
-def _is_number(value: Any) -> bool:
-    # numpy scalars are welcome: metrics code makes them, and they are stored as Python numbers.
-    return isinstance(value, int | float | np.number | np.bool_)
-
-
-_JSON_ALLOWED = "JSON values: str, number, bool, null, and lists/dicts (string keys) of those"
-
-
-def _check_json(value: Any, path, field: str) -> None:
-    # Config and environment must survive JSON unchanged, or the record cannot reproduce the run.
-    if value is None or isinstance(value, str) or _is_number(value):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                _fail(path, field, f"a dict with key {_describe(key)}", _JSON_ALLOWED)
-            _check_json(item, path, f"{field}.{key}")
-        return
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_json(item, path, f"{field}[{i}]")
-        return
-    _fail(path, field, _describe(value), _JSON_ALLOWED)
-
-
-def _check_metric(value: Any, path, field: str) -> None:
-    if value is None or _is_number(value):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                _fail(path, field, f"a dict with key {_describe(key)}", "string keys")
-            _check_metric(item, path, f"{field}.{key}")
-        return
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_metric(item, path, f"{field}[{i}]")
-        return
-    _fail(path, field, _describe(value), _METRIC_ALLOWED)
-
-
-_FIELD_TYPES = {
-    "schema_version": (int, "an int"),
-    "run_id": (str, "a non-empty string"),
-    "kind": (str, "a non-empty string"),
-    "status": (str, f"one of {', '.join(STATUSES)}"),
-    "config": (dict, "a dict (asdict(config))"),
-    "environment": (dict, "a dict (lab.records.environment())"),
-    "final": (dict, "a dict of final metrics"),
-    "work": (dict, "a dict (the compute bill, may be empty)"),
-    "error": ((str, type(None)), "a string or null"),
-    "created": (str, "an ISO-8601 timestamp string"),
-    "updated": (str, "an ISO-8601 timestamp string"),
-}
-# Version 1 kept the rows inside the record; version 2 keeps counts and a declaration.
-_V1_FIELDS = {
-    "trajectory": (list, "a list of per-epoch dicts"),
-    "steps": (list, "a list of per-step dicts (may be empty)"),
-}
-_V2_FIELDS = {
-    "expect": ((dict, type(None)), "a dict (lab.lifecycle.Expectation) or null"),
-    "rows": (dict, f"a dict {{axis: row count}} with axes from {', '.join(AXES)}"),
-}
-# Version 3 adds what makes every committed row part verifiable.
-_V3_FIELDS = {
-    **_V2_FIELDS,
-    "row_parts": (dict, "a dict {axis: [[start, end, sha256], ...]} of the committed parts"),
-    "final_in_rows": (list, "a list of final metric names"),
-}
-# In memory, rows travel with the record under these keys (save_run writes them to the store).
-ROW_KEYS = {"epoch": "trajectory", "step": "steps"}
-
-
-_EXPECT_KEYS = ("axis", "count", "stride", "metrics", "periodic", "final", "undefined")
-
-
-def _names(value: Any) -> bool:
-    return isinstance(value, list | tuple) and all(isinstance(n, str) and n for n in value)
-
-
-def _check_expect(expect: dict, path) -> None:
-    """The completeness declaration (``lab.lifecycle.Expectation.as_dict``), field by field:
-    every reader indexes it (a hand-edited one gave bare KeyErrors and TypeErrors in
-    ``lab runs``, ``load_runs`` and the completeness checks). ``stride``, ``metrics``,
-    ``periodic``, ``final`` and ``undefined`` may be absent (their defaults)."""
-    for key in expect:
-        if key not in _EXPECT_KEYS:
-            _fail(path, f"expect.{key}", "not a field of expect", f"the fields "
-                  f"{', '.join(_EXPECT_KEYS)} (lab.lifecycle.Expectation)")
-    for key, ok, allowed in (
-            ("axis", lambda v: v in AXES, f"one of {', '.join(AXES)}"),
-            ("count", lambda v: _is_int(v) and v >= 0, "a row count: an int >= 0")):
-        if key not in expect or not ok(expect[key]):
-            _fail(path, f"expect.{key}",
-                  _describe(expect[key]) if key in expect else "missing", allowed)
-    stride = expect.get("stride", 1)
-    if not _is_int(stride) or stride < 1:
-        _fail(path, "expect.stride", _describe(stride), "an int >= 1 (axis value per row)")
-    for key in ("metrics", "final", "undefined"):
-        if not _names(expect.get(key, [])):
-            _fail(path, f"expect.{key}", _describe(expect[key]),
-                  "a list of metric names (non-empty strings)")
-    periodic = expect.get("periodic", [])
-    if not isinstance(periodic, list | tuple) or not all(
-            isinstance(e, list | tuple) and len(e) == 3 and _names(e[:1]) and _is_int(e[1])
-            and e[1] >= 1 and _is_int(e[2]) for e in periodic):
-        _fail(path, "expect.periodic", _describe(periodic),
-              "a list of [metric name, every (an int >= 1), offset (an int)] entries")
-
-
-def _check_fields(record: dict, path) -> None:
-    version = record.get("schema_version")
-    if not _is_int(version) or version not in READABLE_VERSIONS:
-        _fail(path, "schema_version", "missing" if version is None else _describe(version),
-              f"one of {READABLE_VERSIONS} (this lab writes version {SCHEMA_VERSION})")
-    fields = {**_FIELD_TYPES, **{1: _V1_FIELDS, 2: _V2_FIELDS}.get(version, _V3_FIELDS)}
-    missing = [key for key in fields if key not in record]
-    if missing:
-        _fail(path, missing[0], "missing", f"a record with all of {', '.join(fields)}")
-    for key, (kind, allowed) in fields.items():
-        value = record[key]
-        if not isinstance(value, kind) or (kind is int and not _is_int(value)):
-            _fail(path, key, _describe(value), allowed)
-    if not isinstance(record.get("notebook_params", {}), dict):  # optional (run_params)
-        _fail(path, "notebook_params", _describe(record["notebook_params"]),
-              "a dict of the notebook's own parameters, or absent")
-    for key in ("run_id", "kind"):
-        if not record[key]:
-            _fail(path, key, "an empty string", _FIELD_TYPES[key][1])
-    if record["status"] not in STATUSES:
-        _fail(path, "status", _describe(record["status"]), f"one of {', '.join(STATUSES)}")
-    for key in ("created", "updated"):
-        try:
-            datetime.fromisoformat(record[key])
-        except ValueError:
-            _fail(path, key, _describe(record[key]), "an ISO-8601 timestamp string")
-    if version == 3:
-        _check_row_parts(record["row_parts"], path)
-        if not _names(record["final_in_rows"]):
-            _fail(path, "final_in_rows", _describe(record["final_in_rows"]),
-                  "a list of final metric names (non-empty strings)")
-    if version >= 2:
-        if record["expect"] is not None:
-            _check_expect(record["expect"], path)
-        for axis, count in record["rows"].items():
-            if axis not in AXES or not _is_int(count) or count < 0:
-                _fail(path, f"rows.{axis}", _describe(count),
-                      f"a count >= 0 for an axis in {', '.join(AXES)}")
-
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def _check_row_parts(row_parts: dict, path) -> None:
-    """``row_parts``: per axis, parts [start, end) tiling the rows from 0, each with a sha256."""
-    for axis, entries in row_parts.items():
-        where = f"row_parts.{axis}"
-        if axis not in AXES or not isinstance(entries, list):
-            _fail(path, where, _describe(entries), f"a list of parts for an axis in "
-                  f"{', '.join(AXES)}")
-        position = 0
-        for i, entry in enumerate(entries):
-            if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0])
-                    and _is_int(entry[1]) and entry[0] == position and entry[1] > entry[0]
-                    and isinstance(entry[2], str) and _SHA256.fullmatch(entry[2])):
-                _fail(path, f"{where}[{i}]", _describe(entry),
-                      f"[start, end, sha256] with start {position} (the previous part's "
-                      "end), end > start and 64 lowercase hex digits")
-            position = entry[1]
+def _raise_first(err: ValidationError, model: type[BaseModel], path, prefix: str = ""):
+    """The first error pydantic found, as a RecordError: the field, the value, and the
+    field's description as what is allowed (inside the declaration, the declaration's
+    field is named and the place in it goes with the value)."""
+    error = err.errors(include_url=False)[0]
+    loc = tuple(key for key in error["loc"] if key not in _TAGS and key != "[key]")
+    found = "missing" if error["type"] == "missing" else _describe(error["input"])
+    if error["loc"][-1:] == ("[key]",):
+        found = f"a dict with key {found}"
+    field = model.model_fields.get(loc[0]) if loc else None
+    allowed = field.description if field else "a value of the schema"
+    if issubclass(model, _Record1) and loc[:1] == ("expect",) and len(loc) > 1:
+        if error["type"] == "extra_forbidden":  # the one section that refuses unknown keys
+            _fail(path, _name(prefix, loc), "not a field of expect", f"the fields "
+                  f"{', '.join(_Expect.model_fields)} (lab.lifecycle.Expectation)")
+        allowed = _Expect.model_fields[loc[1]].description
+        if len(loc) > 2:
+            found += f" at {_name('', loc[2:])}"
+        loc = loc[:2]
+    if error["type"] == "value":  # a nested value of the wrong type: the message says
+        allowed = error["msg"]
+    elif error["type"] == "value_error":
+        allowed += f" ({error['msg'].removeprefix('Value error, ')})"
+    _fail(path, _name(prefix, loc), found, allowed)
 
 
 def check_row(row: Any, axis_key: str, where: str, path="<memory>") -> None:
     """One row: a dict with an int axis value and metric values (see the module docstring)."""
-    if not isinstance(row, dict):
-        _fail(path, where, _describe(row), f"a dict with an int '{axis_key}'")
-    if axis_key not in row:
-        _fail(path, f"{where}.{axis_key}", "missing", f"an int {axis_key} in every row")
-    if not _is_int(row[axis_key]):
-        _fail(path, f"{where}.{axis_key}", _describe(row[axis_key]), f"an int {axis_key}")
-    for key, value in row.items():
-        if key != axis_key:
-            _check_metric(value, path, f"{where}.{key}")
+    try:
+        _ROWS[axis_key].model_validate(row)
+    except ValidationError as err:
+        if not isinstance(row, dict):
+            _fail(path, where, _describe(row), f"a dict with an int '{axis_key}'")
+        _raise_first(err, _ROWS[axis_key], path, where)
 
 
 def _check_order(index: int, position: int, previous: int | None, axis_key: str, where: str,
@@ -539,33 +514,24 @@ def _check_order(index: int, position: int, previous: int | None, axis_key: str,
         _fail(path, f"{where}.step", f"{index} after step {previous}", "strictly increasing steps")
 
 
-def _check_rows(rows: list, axis_key: str, section: str, path) -> None:
-    previous = None
-    for i, row in enumerate(rows):
-        where = f"{section}[{i}]"
-        check_row(row, axis_key, where, path)
-        _check_order(row[axis_key], i, previous, axis_key, where, path)
-        previous = row[axis_key]
-
-
 def validate_record(record: dict, path="<memory>") -> dict:
     """Return ``record`` unchanged if it follows the schema, else raise RecordError."""
     if not isinstance(record, dict):
         _fail(path, "<root>", _describe(record), "a JSON object (dict) holding one run record")
-    _check_fields(record, path)
-    if "data" in record and not isinstance(record["data"], dict):
-        _fail(path, "data", _describe(record["data"]), "a dict (what identifies the data)")
-    for section in ("config", "environment", "data"):
-        for key, value in record.get(section, {}).items():
-            _check_json(value, path, f"{section}.{key}")
+    version = record.get("schema_version")
+    model = _VERSIONS.get(version) if type(version) is int else None
+    if model is None:
+        _fail(path, "schema_version", "missing" if version is None else _describe(version),
+              f"one of {READABLE_VERSIONS} (this lab writes version {SCHEMA_VERSION})")
+    try:
+        model.model_validate(record)
+    except ValidationError as err:
+        _raise_first(err, model, path)
     for axis, key in ROW_KEYS.items():
-        if key in record:
-            if not isinstance(record[key], list):
-                _fail(path, key, _describe(record[key]), f"a list of per-{axis} dicts")
-            _check_rows(record[key], axis, key, path)
-    for section in ("final", "work"):
-        for key, value in record[section].items():
-            _check_metric(value, path, f"{section}.{key}")
+        previous = None
+        for i, row in enumerate(record.get(key, [])):
+            _check_order(row[axis], i, previous, axis, f"{key}[{i}]", path)
+            previous = row[axis]
     return record
 
 
@@ -1027,7 +993,7 @@ def _numeric_leaves(mapping: dict, skip: str | None = None) -> Iterator[tuple[st
             continue
         for name, leaf in _leaves(key, value):
             # Bools count (fraction of steps converged is a useful mean); None and text do not.
-            if _is_number(leaf):
+            if isinstance(leaf, _NUMBERS):
                 yield name, float(leaf)
 
 
