@@ -96,6 +96,7 @@ from .config import (
     configclass,
     dotted_parent,
     field_names,
+    load_yaml,
     read_yaml_mapping,
     with_legacy_params,
 )
@@ -606,10 +607,12 @@ def _included(data: dict, path: Path) -> dict:
     for name in names:
         file = (path.parent / Path(name).expanduser()).resolve()
         if not file.is_file():
+            writers = _writers_of(file, path.parent)
+            hint = (f"`lab select {writers[0]}` writes it" if writers else
+                    "`lab select` writes one from a selection protocol (its select.into)")
             raise ProtocolError(
-                f"protocol {path}: include {name!r} ({file}) does not exist; an included "
-                "fragment is what `lab select` writes from a selection protocol (its "
-                "select.into): run that first, or remove the include")
+                f"protocol {path}: include {name!r} ({file}) does not exist; {hint}: run "
+                "that first, or remove the include")
         fragment = read_yaml_mapping(file, "included fragment", ProtocolError,
                                      "a YAML mapping with fixed and/or overrides")
         odd = sorted(set(fragment) - set(INCLUDABLE))
@@ -643,6 +646,20 @@ def _included(data: dict, path: Path) -> dict:
     return {**data, **{k: v for k, v in merged.items() if v or k in data}, "include": files}
 
 
+def _writers_of(fragment: Path, directory: Path) -> list[str]:
+    """The selection protocols beside a protocol whose ``select.into`` is ``fragment``."""
+    found = []
+    for other in sorted(directory.glob("*.yaml")):
+        try:
+            into = (load_yaml(other.read_text(encoding="utf-8")) or {}).get("select", {})
+            into = into.get("into") if isinstance(into, dict) else None
+        except (OSError, ValueError, AttributeError):
+            continue  # not a protocol this hint can read; the include's error stands
+        if isinstance(into, str) and (other.parent / into).resolve() == fragment:
+            found.append(str(other))
+    return found
+
+
 # One file name is at most 255 bytes (ext4, XFS, APFS...); `--force` renames a run to
 # `<run_id>.old-<UTC time>[-n]`, so a run id leaves room for that.
 MAX_RUN_ID_BYTES = 255 - len(".old-20260101T000000Z-99")
@@ -666,8 +683,6 @@ def _safe(text: str, safe: str) -> str:
 def _reads_back(text: str, value: Any) -> bool:
     """Whether ``text``, read as a -p value or a YAML file reads it, is ``value`` itself
     (same type: the string "1" is not the int 1, "True" is not true)."""
-    from .config import load_yaml
-
     try:
         back = load_yaml(text)
     except yaml.YAMLError:

@@ -192,3 +192,16 @@ def test_lab_select_refuses_a_protocol_without_select_before_any_run(tmp_path, c
     assert main(["select", str(tmp_path / "p.yaml")]) != 0
     assert "has no select section" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_fragment_names_the_selection_protocol_that_writes_it(tmp_path):
+    from lab.sweep import ProtocolError, load_protocol
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "s.yaml").write_text(f"name: s\nnotebook: {notebook}\nout: r\n"
+                                     "grid: {lr: [0.1], seed: [0]}\n"
+                                     "select: {choose: lr, metric: val_acc, into: out/lr.yaml}\n")
+    (tmp_path / "f.yaml").write_text(f"name: f\nnotebook: {notebook}\nout: r2\n"
+                                     "include: out/lr.yaml\ngrid: {seed: [0]}\n")
+    with pytest.raises(ProtocolError, match=r"does not exist; `lab select .*s\.yaml` writes it"):
+        load_protocol(tmp_path / "f.yaml", configs=False)
