@@ -31,8 +31,8 @@ install: $(STAMP)
 # The demo protocols on a local Dask cluster, each followed by its report notebook
 # rendered to HTML under reports/ (the paths are printed): every learning rule x 2
 # seeds at demo size (bp among them), then one quick protocol per other system:
-# MT-1 (kp_traffic), the EP transformer with its backprop twin, CfC with the
-# auxiliary path. Each full protocol is one `lab sweep` away (see README), the
+# MT-1 (kp_traffic, both traffic signs), the EP transformer with its backprop twin, CfC
+# with the auxiliary path, CfC on daily markets. Each full protocol is one `lab sweep` away (see README), the
 # backprop baseline at its full recipe too (`lab sweep protocols/demo.yaml`).
 DEMO_PROTOCOLS := rules-mnist1d-demo mt1-quick ep-twin-quick cfc-aux-quick cfc-markets-quick
 demo: $(STAMP)
@@ -47,8 +47,7 @@ lint: $(STAMP)
 
 # Two pytest-xdist workers, each on one thread (tests/conftest.py: two workers on
 # torch's default of a thread per core made small-op tests 5 - 10x slower), and
-# work stealing so the long end-to-end tests do not finish last on one worker:
-# 7 min 12 s of pytest on this 2-core host (9 min 25 s before). The float64
+# work stealing so the long end-to-end tests do not finish last on one worker. The float64
 # kernels the tests use are compiled first, once, rather than by both workers.
 # The import contracts first (pyproject.toml [tool.importlinter]; well under a second).
 test: $(STAMP) lint
