@@ -295,3 +295,15 @@ def test_a_short_arch_run_records_its_test_predictions(tmp_path):
     assert final["val_loss"] == pytest.approx(vals[final["best_step"]], rel=1e-5)
     assert record["data"]["arch"]["series"] == "wti"
     assert record["data"]["split"]["n_test"] == len(arrays.test_ends)
+
+
+def test_a_run_on_an_arch_series_notices_when_arch_ships_other_data():
+    from lab.data.identity import changed_files
+    from lab.data.markets import arch_identity
+
+    now = arch_identity("sp500")
+    assert changed_files({"data": {"arch": now}}) == []
+    assert changed_files({"arch": {**now, "rows": 10}}) == [
+        f"arch's sp500 series (arch {now['arch']} then): 10 days then, {now['rows']} now"]
+    assert changed_files({"arch": {**now, "sha256": "0" * 64}}) == [
+        f"arch's sp500 series (arch {now['arch']} then): other prices (sha256)"]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lifecycle import _interrupt  # (a kill between rows that leaves it resumable)
 
 import lab.notebook
 from lab import records, runlock
@@ -171,7 +172,7 @@ def test_an_interrupted_run_whose_record_is_lost_resumes_as_the_same_run(tmp_pat
     config = SyntheticConfig(steps=30, checkpoint_every=5)
     reference = train_synthetic(config, tmp_path / "reference" / "r")
     out = tmp_path / "killed" / "r"
-    _interrupted(config, out, after=12)
+    _interrupt(config, out, after=12)
     created = records.load_record(out)["created"]
     (out / records.RECORD_FILE).unlink()
     with pytest.warns(UserWarning, match="run_id='another' is not used"):
@@ -232,7 +233,7 @@ def test_an_interrupted_run_of_an_older_lab_resumes_and_its_parts_are_adopted(tm
     config = SyntheticConfig(steps=30, checkpoint_every=5)
     reference = train_synthetic(config, tmp_path / "reference" / "r")
     out = tmp_path / "old" / "r"
-    _interrupted(config, out, after=12)
+    _interrupt(config, out, after=12)
     _as_older_lab(out)
     record = records.load_record(out, rows=False)
     older = {k: v for k, v in record.items() if k not in ("row_parts", "final_in_rows")}
@@ -441,31 +442,13 @@ def _without_key(out: Path, dotted: str) -> None:
     records.write_record(out, record)
 
 
-def _interrupted(config, out, after):
-    original = Lifecycle.log
-    calls = {"n": 0}
-
-    def log(self, row):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise KeyboardInterrupt
-        return original(self, row)
-
-    Lifecycle.log = log
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train_synthetic(config, out)
-    finally:
-        Lifecycle.log = original
-
-
 def test_a_checkpoint_without_a_new_key_resumes_at_its_default_and_refuses_another(tmp_path):
     # A parameter is added with the default that does what the code did before it: a run
     # from before resumes under the default, and under another value is a config change.
     config = SyntheticConfig(steps=30, checkpoint_every=5)
     reference = train_synthetic(config, tmp_path / "reference" / "r")
     out = tmp_path / "old" / "r"
-    _interrupted(config, out, after=12)
+    _interrupt(config, out, after=12)
     _without_key(out, "lr")
     with pytest.raises(CheckpointError, match=re.escape(
             "belongs to a run with a different config (lr: absent there (read as its default "

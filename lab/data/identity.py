@@ -132,32 +132,30 @@ def _dataset_changes(node: dict, data_dir: str | None) -> list[str]:
 
 
 def _vega_changes(node: dict) -> list[str]:
-    # The vega series bundled in vega_datasets (lab.data.prices.vega_identity): read it again.
-    from lab.data import DataError
+    # The vega series bundled in vega_datasets (lab.data.prices.vega_identity).
     from lab.data.prices import vega_identity
 
-    where = f"vega_datasets stocks ({node['vega']})"
-    try:
-        now = vega_identity(node["vega"])
-    except (DataError, ImportError) as err:
-        return [f"{where}: cannot be read now ({err})"]
-    if now["length"] != node["length"]:
-        return [f"{where}: {node['length']} months then, {now['length']} now"]
-    return [] if now["sha256"] == node["sha256"] else [f"{where}: other prices (sha256)"]
+    return _bundled_changes(node, f"vega_datasets stocks ({node['vega']})",
+                            lambda: vega_identity(node["vega"]), "length", "months")
 
 
 def _arch_changes(node: dict) -> list[str]:
-    # A daily series bundled in the arch package (lab.data.markets.arch_identity): read it
-    # again; a new arch release may ship other data.
-    from lab.data import DataError
+    # A daily series bundled in the arch package (lab.data.markets.arch_identity); a new
+    # arch release may ship other data.
     from lab.data.markets import arch_identity
 
-    where = f"arch's {node['series']} series (arch {node['arch']} then)"
+    return _bundled_changes(node, f"arch's {node['series']} series (arch {node['arch']} then)",
+                            lambda: arch_identity(node["series"]), "rows", "days")
+
+
+def _bundled_changes(node: dict, where: str, read, count: str, unit: str) -> list[str]:
+    """A series that ships inside a package, read again (``read()``) and compared."""
+    from lab.data import DataError
+
     try:
-        now = arch_identity(node["series"])
+        now = read()
     except (DataError, ImportError) as err:
         return [f"{where}: cannot be read now ({err})"]
-    if now["rows"] != node["rows"]:
-        return [f"{where}: {node['rows']} days then, {now['rows']} now (arch {now['arch']})"]
-    return [] if now["sha256"] == node["sha256"] else [
-        f"{where}: other prices (sha256) in arch {now['arch']}"]
+    if now[count] != node[count]:
+        return [f"{where}: {node[count]} {unit} then, {now[count]} now"]
+    return [] if now["sha256"] == node["sha256"] else [f"{where}: other prices (sha256)"]
