@@ -320,10 +320,6 @@ class ChannelLinear:
     def units(self) -> int:
         return sum(b.numel() for b in self.b if b is not None)
 
-    def macs(self, positions: int) -> int:
-        """Multiply-adds of one prediction over ``positions`` (examples x positions)."""
-        return positions * sum(w.numel() for w in self.W if w is not None)
-
     def state(self) -> dict:
         return {"W": _cloned(self.W), "b": _cloned(self.b)}
 
