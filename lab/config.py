@@ -76,6 +76,12 @@ class ConfigError(ValueError):
     """A configuration key or value that the config does not allow."""
 
 
+class Diverged(FloatingPointError):
+    """Raised inside a training step whose own computation blew up (not only the loss):
+    the lifecycle stops the run as ``diverged``, a result, as it does for a loss past its
+    bound, instead of ``failed``."""
+
+
 def choice(default: Any, options: tuple) -> Any:
     """A field whose value must be one of ``options``."""
     return dataclasses.field(default=default, metadata={"choices": tuple(options)})

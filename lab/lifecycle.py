@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from . import records, runlock
-from .config import ConfigError, as_dict, from_dict, identity, with_legacy_params
+from .config import ConfigError, Diverged, as_dict, from_dict, identity, with_legacy_params
 from .experiment import Divergence, Expectation, Experiment, _number
 
 __all__ = ["CHECKPOINT", "CheckpointError", "Divergence", "Expectation", "Lifecycle",
@@ -147,7 +147,11 @@ def train(experiment: Experiment, config, out_dir=None, *, run_id: str | None = 
             experiment.prepare(run, life)
         bar = life.rows()
         for index in bar:
-            row = experiment.step(run, index, life)
+            try:
+                row = experiment.step(run, index, life)
+            except Diverged as why:  # the step's own computation blew up: a result
+                life.diverged(f"{why} (during {life.axis} {index * life.expect.stride})")
+                break
             if (shown := experiment.postfix(row)) is not None:
                 bar.set_postfix(**shown)
             if not life.log(row):
@@ -506,6 +510,10 @@ class Lifecycle:
     def baseline(self, loss: float) -> None:
         """The training loss at initialisation: the divergence bound scales with it."""
         self._baseline = float(loss)
+
+    def diverged(self, why: str) -> None:
+        """Stop the run as ``diverged`` before its next row (finish() saves it)."""
+        self.status, self.error = "diverged", why
 
     def log(self, row: dict) -> bool:
         """Append one row; False when the run must stop (it diverged)."""

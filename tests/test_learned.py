@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_perturbation import smooth_net, true_gradients
 
-from lab.config import ConfigError
+from lab.config import ConfigError, Diverged
 from lab.diagnostics.alignment import alignment
 from lab.models.layers import Conv, local_layers
 from lab.rules import make_rule, resolve_params
@@ -740,11 +740,18 @@ def test_a_calibration_that_observes_nothing_finite_stops_the_run(name, monkeypa
 
     monkeypatch.setattr(rule.estimator, "observe", overflowing)
     with pytest.raises(FloatingPointError, match=(
-            rf"^rule '{name}': calibration event 1 fits the perturbation observations as nan "
-            r"though the loss is finite: the perturbed passes overflowed "
-            r"\(rule_params.pert_sigma=0.001\); give a smaller pert_sigma$")):
+            rf"^rule '{name}': the first calibration event fits the perturbation observations "
+            r"as nan though the loss is finite: the perturbed passes overflowed at the initial "
+            r"weights \(rule_params.pert_sigma=0.001\); give a smaller pert_sigma$")) as first:
         rule.calibrate(x, y)
+    assert not isinstance(first.value, Diverged)  # at the initial weights: a config error
     assert rule.events == 0
     monkeypatch.setattr(rule.estimator, "observe", observe)
     rule.calibrate(x, y)  # finite observations: an ordinary event
+    assert rule.events == 1 and math.isfinite(rule.fit)
+    # Later, the weights have grown (a rate too large): the run diverged, a result.
+    monkeypatch.setattr(rule.estimator, "observe", overflowing)
+    with pytest.raises(Diverged, match=rf"^rule '{name}': calibration event 2 fits .* as nan"):
+        rule.calibrate(x, y)
+    monkeypatch.setattr(rule.estimator, "observe", observe)
     assert rule.events == 1 and math.isfinite(rule.fit)

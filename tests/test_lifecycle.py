@@ -65,6 +65,39 @@ def test_absolute_cap_triggers_below_the_factor_bound(tmp_path):
     assert fine["status"] == "complete"
 
 
+def test_a_step_whose_own_computation_blows_up_diverges_with_its_rows_kept(tmp_path):
+    # (lhfa at lr 0.3: its perturbed passes overflowed once the weights had grown, and the
+    # run was "failed", so a learning-rate selection could not finish on it.)
+    from lab.config import Diverged
+    from lab.lifecycle import train
+    from lab.train.synthetic import Synthetic
+
+    class BlowsUp(Synthetic):
+        def step(self, run, position, life):
+            if position == 5:
+                raise Diverged("the rule's probes overflowed")
+            return super().step(run, position, life)
+
+    config = SyntheticConfig(steps=10, checkpoint_every=2)
+    record = train(BlowsUp(), config, tmp_path / "r")
+    assert record["status"] == "diverged" and len(_rows(record)) == 5
+    assert record["error"] == "the rule's probes overflowed (during step 5)"
+    # The final metrics are of the state after the last row, as a 5-step run's.
+    five = train_synthetic(SyntheticConfig(steps=5), None)
+    assert record["final"] == five["final"] and record["steps"] == five["steps"]
+    saved = records.load_record(tmp_path / "r")
+    assert saved["status"] == "diverged" and saved["error"] == record["error"]
+    assert saved["rows"] == {"step": 5} and "train_wall_s" in saved["work"]
+    again = train(BlowsUp(), config, tmp_path / "r")  # finished: returned, not retrained
+    assert again["status"] == "diverged" and len(_rows(again)) == 5
+    with pytest.raises(FloatingPointError, match="^plain$"):  # any other error: failed
+        class Fails(Synthetic):
+            def step(self, run, position, life):
+                raise FloatingPointError("plain")
+        train(Fails(), config, tmp_path / "f")
+    assert records.load_record(tmp_path / "f")["status"] == "failed"
+
+
 def test_factor_scales_with_the_baseline_not_a_fixed_number():
     policy = Divergence(factor=10.0)
     assert policy.check({"train_loss": 25.0}, 2.0, "step 1") is not None

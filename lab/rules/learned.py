@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import SEED_MAX, ConfigError, bounded, choice, configclass, validate
+from ..config import SEED_MAX, ConfigError, Diverged, bounded, choice, configclass, validate
 from ..models.resnet import ResNet
 from ..models.state import preserved_norm_stats
 from .apical import (
@@ -106,12 +106,19 @@ def _estimator(model, p, seed: int, name: str) -> PerturbationEstimator:
 def _check_fit(name: str, fit: float, loss: torch.Tensor, sigma: float, event: int) -> None:
     """A calibration event whose observations are not finite teaches nothing: its NLMS
     steps are skipped (curvature not > 0), so say so instead of running on as plain fa /
-    dfa. A non-finite loss is the run diverging, which the lifecycle reports."""
-    if not math.isfinite(fit) and bool(torch.isfinite(loss).all()):
+    dfa. At the first event the weights are the initial ones, so pert_sigma is at fault;
+    later it is the weights that grew (a rate too large): the run diverged."""
+    if math.isfinite(fit) or not bool(torch.isfinite(loss).all()):
+        return  # (a non-finite loss is the run diverging, which the lifecycle reports)
+    if event == 0:
         raise FloatingPointError(
-            f"rule {name!r}: calibration event {event + 1} fits the perturbation observations "
-            f"as {fit} though the loss is finite: the perturbed passes overflowed "
-            f"(rule_params.pert_sigma={sigma}); give a smaller pert_sigma")
+            f"rule {name!r}: the first calibration event fits the perturbation observations "
+            f"as {fit} though the loss is finite: the perturbed passes overflowed at the "
+            f"initial weights (rule_params.pert_sigma={sigma}); give a smaller pert_sigma")
+    raise Diverged(
+        f"rule {name!r}: calibration event {event + 1} fits the perturbation observations "
+        f"as {fit} though the loss is finite: the perturbed passes overflowed "
+        f"(pert_sigma={sigma}), the weights having grown since the first event")
 
 
 def _draw_batch(x, y, size, generator):
