@@ -165,6 +165,31 @@ grid:
         load_protocol(tmp_path / "final.yaml", configs=False)
 
 
+def test_a_run_that_diverged_before_its_last_epoch_loses_instead_of_stopping_selection(
+        tmp_path):
+    # (lhfa at lr 0.3 diverged at epoch 5 of 12, and lab select refused: "epochs 5-11
+    # missing", as if the run were unfinished.)
+    from analysis.select import select
+    from lab.records import load_record
+
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "01-train-conv.ipynb"
+    (tmp_path / "s.yaml").write_text(f"""
+name: s
+notebook: {notebook}
+out: runs
+fixed: {{n_train: 256, depth: 8, width: 4, epochs: 3, batch_size: 64, val_fraction: 0.25,
+        eval_every: 1, schedule: constant, progress: false}}
+grid: {{lr: [0.01, 10000.0], seed: [0]}}
+select: {{choose: [lr], metric: val_acc, into: x.yaml}}
+""")
+    _train_protocol(tmp_path / "s.yaml")
+    blown = load_record(tmp_path / "runs" / "lr-10000.0_seed-0")
+    assert blown["status"] == "diverged" and len(blown["trajectory"]) < 3
+    selection = select(tmp_path / "s.yaml")
+    assert selection.chosen["lr"].tolist() == [0.01]
+    assert selection.result.set_index("lr").loc[10000.0, "diverged"] == 1
+
+
 def test_selection_refuses_missing_runs(tmp_path):
     from analysis.completeness import IncompleteProtocolError
     from analysis.select import select
