@@ -165,7 +165,7 @@ class Selection:
 
         from lab.records import atomic_write
 
-        header = (f"# Chosen by `lab select {self.data.protocol.source}`: for each "
+        header = (f"# Chosen by `lab select {_shown(self.data.protocol.source)}`: for each "
                   f"{self.spec.per or 'protocol'}, the {', '.join(self.spec.choose)} with the "
                   f"{self.spec.goal} mean final {self.spec.metric} on the validation split "
                   f"over the seeds ({int(self.result['n'].max())} runs a candidate).\n"
@@ -174,6 +174,13 @@ class Selection:
         self.spec.into.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.spec.into, lambda tmp: tmp.write_text(header + body))
         return self.spec.into
+
+
+def _shown(path) -> str:
+    """``path`` as a command typed beside the fragment would name it: relative to the
+    protocols' folder's parent (the repository), so a committed fragment names no machine."""
+    path = Path(path)
+    return str(path.relative_to(path.parent.parent)) if path.is_absolute() else str(path)
 
 
 def select(protocol_path, runs_dir=None, *, mixed_code: bool = False) -> Selection:
