@@ -551,6 +551,9 @@ def rules_table(data) -> pd.DataFrame:
         "update_cos": _last_epoch_mean(data, table, "alignment/mean_update_cos", keys),
         "update_cos_hidden": _last_epoch_hidden_update(data, table, keys),
         "teaching_cos": _last_epoch_mean(data, table, "alignment/mean_teaching_cos", keys),
+        # the length beside the direction: ||teaching|| / ||true gradient|| (NaN in runs
+        # recorded before the diagnostic measured it)
+        "teaching_norm": _last_epoch_mean(data, table, "alignment/mean_teaching_norm", keys),
         "feedback_cos": _last_epoch_mean(data, table, "rule/feedback/mean_cos", keys),
         "macs_x_forward": bill["total"] / bill["forward"],
         "align_undefined_runs": _undefined_runs(data, table, keys),

@@ -153,3 +153,46 @@ def test_alignment_restores_a_rule_that_draws_or_matches_its_feedback_on_first_u
     for (n, p), (_, q) in zip(model.named_parameters(), twin_model.named_parameters()):
         assert torch.equal(p.grad, q.grad), n
     _same(rule.state_dict(), twin.state_dict())
+
+
+def test_norm_ratios_are_the_direct_ones_and_scale_with_the_feedback():
+    # The cosine says nothing of the step's length: fa at feedback_scale s teaches the
+    # hidden layer with a signal proportional to s, so the ratio doubles with s while every
+    # cosine stays the same; the read-out gets the exact error (ratio 1).
+    model, x, y = _net()
+    reports, wants = [], []
+    for scale in (1.0, 2.0):
+        net = copy.deepcopy(model)
+        rule = make_rule("fa", net, {"feedback_scale": scale}, seed=0)
+        reports.append(alignment(net, rule, x, y))
+        rule.compute_gradients(x, y, None)
+        got = {n: m.weight.grad.clone() for n, m in local_layers(net)}
+        plain = copy.deepcopy(net)
+        for _, m in local_layers(plain):
+            m.feedback = None
+        plain.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(x), y).backward()
+        wants.append({n: float(got[n].norm() / m.weight.grad.norm())
+                      for n, m in local_layers(plain)})
+    for report, want in zip(reports, wants):
+        assert report["update_norm"] == pytest.approx(want, rel=1e-12)
+        assert report["update_norm"]["fc"] == pytest.approx(1.0, rel=1e-12)
+        assert report["mean_update_norm"] == pytest.approx(sum(want.values()) / 3, rel=1e-12)
+    one, two = reports
+    # hidden1's signal is B1 e, linear in the scale; hidden0's is B0 (relu' * B1 e),
+    # quadratic; each layer's update is its population's signal times its input.
+    assert two["teaching_norm"]["hidden1"] == pytest.approx(2 * one["teaching_norm"]["hidden1"],
+                                                            rel=1e-9)
+    assert two["teaching_norm"]["hidden0"] == pytest.approx(4 * one["teaching_norm"]["hidden0"],
+                                                            rel=1e-9)
+    assert two["update_norm"]["hidden.1"] == pytest.approx(2 * one["update_norm"]["hidden.1"],
+                                                            rel=1e-9)
+    assert two["update_norm"]["hidden.0"] == pytest.approx(4 * one["update_norm"]["hidden.0"],
+                                                            rel=1e-9)
+    assert two["update_cos"] == pytest.approx(one["update_cos"], abs=1e-12)
+    assert two["teaching_cos"] == pytest.approx(one["teaching_cos"], abs=1e-12)
+    # bp: every ratio is exactly 1
+    rule = make_rule("bp", model, seed=0)
+    exact = alignment(model, rule, x, y)
+    assert all(v == pytest.approx(1.0, rel=1e-12) for v in
+               [*exact["teaching_norm"].values(), *exact["update_norm"].values()])

@@ -216,6 +216,8 @@ def test_rules_table_is_each_runs_last_epoch_from_the_records():
                 ["rule"]["feedback"]["mean_cos"] for s in (0, 1)]
     assert got.loc["kp", "feedback_cos"] == pytest.approx(sum(feedback) / 2, abs=1e-12)
     assert math.isnan(got.loc["bp", "feedback_cos"])  # no feedback tensors
+    # The fixture was recorded before the diagnostic measured norms: NaN, not a refusal.
+    assert got["teaching_norm"].isna().all()
 
 
 def test_runs_without_alignment_are_refused_naming_each(tmp_path):

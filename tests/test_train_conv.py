@@ -365,6 +365,10 @@ def test_records_written_before_the_lifecycle_port_are_reproduced(tmp_path, run_
             align = row["alignment"] = dict(row["alignment"])
             assert align.pop("update_defined") == len(align["update_cos"])
             assert align.pop("teaching_defined") == len(align["teaching_cos"])
+            # ... and the norm ratios beside the cosines (bp: 1 everywhere, to rounding)
+            for key in ("teaching_norm", "update_norm"):
+                assert align.pop(key).keys() == align[key.replace("norm", "cos")].keys()
+                assert align.pop(f"mean_{key}") > 0
     assert _close(records.without_timings(_legacy_rows(old["trajectory"])),
                   records.without_timings(rows))
     assert _close(new["final"], old["final"])
