@@ -165,8 +165,9 @@ class Selection:
 
         from lab.records import atomic_write
 
-        header = (f"# Chosen by `lab select {_shown(self.data.protocol.source)}`: for each "
-                  f"{self.spec.per or 'protocol'}, the {', '.join(self.spec.choose)} with the "
+        header = (f"# Chosen by `lab select {_shown(self.data.protocol.source)}`: "
+                  f"{f'for each {self.spec.per}, ' if self.spec.per else ''}the "
+                  f"{', '.join(self.spec.choose)} with the "
                   f"{self.spec.goal} mean final {self.spec.metric} on the validation split "
                   f"over the seeds ({int(self.result['n'].max())} runs a candidate).\n"
                   "# Generated: edit the selection protocol and rerun rather than this file.\n")

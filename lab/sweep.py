@@ -572,7 +572,14 @@ def load_protocol(path, *, configs: bool = True, preflight: bool = True) -> Prot
     builds them but leaves out what this machine decides (a CUDA device, a data file
     that exists where the runs were made): for listing runs made elsewhere.
     """
-    path = Path(path).resolve()
+    given, path = Path(path), Path(path).resolve()
+    if not given.is_absolute() and not path.exists():
+        # A notebook's relative paths are Jupyter's (from notebooks/); papermill run from
+        # elsewhere reads them from its own working directory.
+        raise ProtocolError(f"protocol {path} does not exist: the relative path {str(given)!r} "
+                            f"is read from the working directory, {Path.cwd()}; give a path "
+                            "from there, or run the notebook where its paths start (Jupyter: "
+                            "the notebook's folder; papermill: --cwd notebooks)")
     protocol = _build(_included(_read_yaml(path), path), path)
     spec = _check_notebook(protocol, configs)
     _check_report(protocol)

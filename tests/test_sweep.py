@@ -180,6 +180,12 @@ def test_protocol_file_problems(tmp_path):
         load_protocol(tmp_path / "p.yaml")
     with pytest.raises(ProtocolError, match=r"nope.yaml does not exist"):
         load_protocol(tmp_path / "nope.yaml")
+    # A report notebook's default "../tests/..." run by papermill from the repository root
+    # (Jupyter starts in notebooks/): the message says from where the path was read.
+    with pytest.raises(ProtocolError, match=(
+            r"does not exist: the relative path '../nope/p.yaml' is read from the working "
+            r"directory, .*; .*papermill: --cwd notebooks")):
+        load_protocol("../nope/p.yaml")
     (tmp_path / "b.yaml").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ProtocolError, match=r"cannot be read"):
         load_protocol(tmp_path / "b.yaml")
