@@ -154,3 +154,20 @@ def test_the_trainers_and_the_notebooks_name_the_same_config_classes():
                           ("02-train-ep-transformer", configs.EPConfig),
                           ("03-train-cfc-aux", configs.CfCAuxConfig)):
         assert config_class(ROOT / "notebooks" / f"{notebook}.ipynb") is cls
+
+
+def test_a_training_notebooks_imports_load_no_pandas_nor_the_protocol_machinery():
+    # The per-run papermill overhead: a kernel that trains one run and draws its curves
+    # (notebooks/01-train-conv.ipynb's imports) needs neither pandas nor the sweep.
+    out = fresh("""
+        from analysis.figures import run_curves
+        from lab.notebook import config_from, record_value
+        import sys
+        rows = [{'epoch': e, 'train_loss': 1.0 / (e + 1), 'val_loss': None} for e in range(3)]
+        figure = run_curves(rows, fields=[('train_loss', 'val_loss')])
+        out = {'lines': [len(ax.lines) for ax in figure.axes],
+               'unwanted': [m for m in ('pandas', 'lab.sweep', 'analysis.load',
+                                        'analysis.completeness', 'analysis.summary')
+                            if m in sys.modules]}
+    """)
+    assert out["lines"] == [1] and out["unwanted"] == [] and out["loaded"] == [], out
