@@ -10,22 +10,35 @@ names, got 'test_acc' (str)".
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from lab.records import another_trainers, check_flag
 
-# Sequences of names that are taken as lists. A str is a sequence too, which is
-# exactly the mistake refused here.
-_LISTS = (list, tuple, pd.Index, pd.Series, np.ndarray)
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def _pandas():
+    """pandas if it is loaded, else None: a value cannot be a pandas object before, and a
+    training notebook drawing its curves (``figures.run_curves``) never needs pandas."""
+    return sys.modules.get("pandas")
+
+
+def _lists() -> tuple:
+    # Sequences of names that are taken as lists. A str is a sequence too, which is
+    # exactly the mistake refused here.
+    pd = _pandas()
+    return (list, tuple, np.ndarray) + ((pd.Index, pd.Series) if pd is not None else ())
 
 
 def names(value, parameter: str, what: str = "metric names") -> list[str]:
     """``value`` (a list or tuple of str) as a list; anything else is a TypeError
     naming ``parameter``, the value and what is expected."""
-    if not isinstance(value, _LISTS) or (isinstance(value, np.ndarray) and value.ndim != 1):
+    if not isinstance(value, _lists()) or (isinstance(value, np.ndarray) and value.ndim != 1):
         raise TypeError(f"{parameter} must be a list of {what}, got {value!r} "
                         f"({type(value).__name__})")
     items = list(value)
@@ -74,7 +87,8 @@ def path_like(value, parameter: str, what: str) -> None:
 def dataframe(value, parameter: str, what: str) -> pd.DataFrame:
     """``value`` if it is a DataFrame; otherwise a TypeError naming ``parameter``, what
     was given and what is expected (``what``: e.g. "the runs table, ProtocolRuns.table()")."""
-    if isinstance(value, pd.DataFrame):
+    pd = _pandas()
+    if pd is not None and isinstance(value, pd.DataFrame):
         return value
     shown = repr(value)
     shown = shown if len(shown) <= 80 else f"{shown[:77]}..."

@@ -19,14 +19,17 @@ from __future__ import annotations
 import io
 import textwrap
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from lab.records import TIDY_COLUMNS
 
 from .checks import check_group_keys, config_twins, dataframe, listing, names
+
+if TYPE_CHECKING:  # (tables arrive made: a training notebook's curves need no pandas)
+    import pandas as pd
 
 _PANEL = (4.2, 3.2)
 _STYLES = ("-", "--", "-.", ":")  # per group, with the colour

@@ -175,7 +175,7 @@ def _check_run_dir(out) -> ConfigError | None:
 
 def _train(args) -> int:
     from .notebook import Resolved, apply_params, decide
-    from .train import ConvConfig, train_conv
+    from .train import ConvConfig  # (lab.train.configs: no torch before a value is checked)
 
     out = Path(args.out).resolve()
     try:
@@ -200,6 +200,8 @@ def _train(args) -> int:
     try:
         if decision == "replace":
             print(f"the old run is kept in {runlock.move_aside(out)}")
+        from .train import train_conv  # torch and the rules: only for a run that trains
+
         record = train_conv(config, out)
     except KeyboardInterrupt:
         return _interrupted(args.out)

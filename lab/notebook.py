@@ -17,7 +17,7 @@ Only JSON values are recorded; non-finite floats travel as the strings
 
 Parameters are checked before anything runs or is created: names the notebook
 does not declare are refused, and a notebook that names its config class in
-its metadata (``"lab_config": "lab.train.conv:ConvConfig"``) has the resolved
+its metadata (``"lab_config": "lab.train.configs:ConvConfig"``) has the resolved
 parameters (its defaults, then the given values; a dotted key such as
 ``rule_params.scale`` sets one key inside a dict parameter) built into that
 class, so a bad value is refused with the class's message. The notebook's own
@@ -244,7 +244,7 @@ def config_class(notebook, nb=None) -> type | None:
         raise NotebookError(
             f"notebook {notebook}: metadata {CONFIG_KEY}={name!r} does not name an importable "
             f"class ({type(err).__name__}: {err}); expected 'module:Class', e.g. "
-            "'lab.train.conv:ConvConfig'") from None
+            "'lab.train.configs:ConvConfig'") from None
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise NotebookError(f"notebook {notebook}: metadata {CONFIG_KEY}={name!r} is not a "
                             "config dataclass")

@@ -39,7 +39,8 @@ are read as they are; version 2 records (a row store without ``row_parts``) have
 their parts checked by line count only; only version 3 is written.
 
 Only the standard library, numpy and pandas/pyarrow are used here; torch is
-imported lazily by ``environment()`` so analysis code can read records cheaply.
+imported lazily by ``environment()`` so analysis code can read records cheaply, and
+pandas by the tables' functions, so a training kernel that writes a record needs none.
 """
 
 from __future__ import annotations
@@ -60,10 +61,9 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-import pandas as pd
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -78,6 +78,9 @@ from pydantic import (
 from typing_extensions import TypeAliasType
 
 from . import runlock
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -998,6 +1001,8 @@ def _numeric_leaves(mapping: dict, skip: str | None = None) -> Iterator[tuple[st
 
 
 def _tidy_frame(rows: list[tuple]) -> pd.DataFrame:
+    import pandas as pd  # (here: the run lifecycle writes records without pandas)
+
     columns = list(zip(*rows, strict=True)) if rows else [()] * len(TIDY_COLUMNS)
     # Fixed dtypes, so an empty table and a parquet round trip look like any other.
     frame = pd.DataFrame(
@@ -1204,6 +1209,8 @@ def load_runs(root, include_old: bool = False) -> pd.DataFrame:
     path (a list, an int, None), or an ``include_old`` that is not a bool, is a
     TypeError naming it.
     """
+    import pandas as pd  # (here: the run lifecycle writes records without pandas)
+
     _check_path_arg(root, "load_runs", "root", _RUNS)
     include_old = check_flag(include_old, "load_runs", "include_old")
     rows, problems = [], []
@@ -1243,6 +1250,8 @@ def live_status(status: str, run_dir) -> str:
 
 
 def _v1_metrics(record_path: Path, record: dict) -> pd.DataFrame:
+    import pandas as pd  # (here: the run lifecycle writes records without pandas)
+
     parquet = record_path.parent / METRICS_FILE
     # A parquet older than its record is stale (the run was saved again but the
     # parquet write did not finish): the record wins.
@@ -1287,6 +1296,8 @@ def load_metrics(root, include_old: bool = False) -> pd.DataFrame:
     moved aside by ``--force`` are left out unless ``include_old`` (see load_runs).
     A ``root`` that is not a path (a list, an int, None), or an ``include_old`` that is
     not a bool, is a TypeError naming it."""
+    import pandas as pd  # (here: the run lifecycle writes records without pandas)
+
     _check_path_arg(root, "load_metrics", "root", _RUNS)
     include_old = check_flag(include_old, "load_metrics", "include_old")
     frames, problems, ids = [], [], []

@@ -63,6 +63,11 @@ BREAKS = [
     ("acyclic", "lab/models/layers.py", "import lab.rules.common", ".models -> .rules"),
     ("experiment-interface", "lab/experiment.py", "import lab.records",
      "lab.experiment -> lab.records"),
+    ("configs-light", "lab/train/configs.py", "import torch", "lab.train.configs -> torch"),
+    # (a chain: the rules import numba through numba_kernels)
+    ("configs-light", "lab/train/configs.py", "import lab.rules.bp", "lab.rules.bp -> torch"),
+    ("configs-light", "lab/train/configs.py", "from lab.train import conv",
+     "lab.train.configs -> lab.train.conv"),
 ]
 
 

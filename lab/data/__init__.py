@@ -21,20 +21,21 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-__all__ = ["DATASETS", "DataError", "Dataset", "Split", "content_identity", "default_data_dir",
-           "load_dataset", "sha256_bytes", "train_size"]
+# The facts a config checks, torch-free; torch is imported where a split is made, so a
+# config (lab.train.configs) can refuse a bad value without it.
+from .specs import DATA_SPECS, DATASETS, DataError
 
-DATASETS = ("mnist1d", "digits", "cifar10")
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DATASETS", "DATA_SPECS", "DataError", "Dataset", "Split", "content_identity",
+           "default_data_dir", "load_dataset", "sha256_bytes", "train_size"]
 
 _MAX_VAL_FRACTION = 0.9
-
-
-class DataError(ValueError):
-    """A dataset could not be loaded or an argument to the data layer is out of range."""
 
 
 @dataclass(frozen=True)
@@ -76,22 +77,6 @@ class Dataset:
     identity: dict | None = None
 
 
-@dataclass(frozen=True)
-class _Spec:
-    in_channels: int
-    n_classes: int
-    dims: int
-    augment: str
-
-
-_SPECS = {
-    "mnist1d": _Spec(in_channels=1, n_classes=10, dims=1, augment="shift"),
-    "digits": _Spec(in_channels=1, n_classes=10, dims=2, augment="none"),
-    "cifar10": _Spec(in_channels=3, n_classes=10, dims=2, augment="crop_flip"),
-}
-DATA_SPECS = _SPECS  # each dataset's shape (channels, classes, dims), known without loading it
-
-
 def default_data_dir() -> Path:
     """`$LAB_DATA_DIR` if set, else ``~/.cache/lab``."""
     return Path(os.environ.get("LAB_DATA_DIR") or Path.home() / ".cache" / "lab").expanduser()
@@ -114,10 +99,10 @@ def load_dataset(
         runs); a value above the number available is refused (DataError naming the count),
         since a record saying n_train=100000 must not describe a run on 3,600 examples.
     """
-    if name not in _SPECS:
+    if name not in DATA_SPECS:
         raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
     _check_args(val_fraction, n_train)
-    spec = _SPECS[name]
+    spec = DATA_SPECS[name]
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     if name != "digits" and root.exists() and not root.is_dir():  # digits is bundled
         where = "data_dir" if data_dir is not None else "$LAB_DATA_DIR"
@@ -173,7 +158,7 @@ def content_identity(name: str, data_dir) -> dict:
     """{"dataset", "dir" (absolute), "sha256" of the raw arrays} of ``name`` as read now
     from ``data_dir``; ``load_dataset`` records the same in ``Dataset.identity``. DataError
     if it cannot be read."""
-    if name not in _SPECS:
+    if name not in DATA_SPECS:
         raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
     root = Path(data_dir).expanduser().resolve()
     return dict(_cached_content(name, root, _file_stamps(name, root)))
@@ -250,7 +235,7 @@ def train_size(name: str, *, data_dir=None, val_fraction: float = 0.1, n_train: 
     """How many training examples ``load_dataset`` with these arguments gives, or the
     DataError it would raise: the check a run makes before it starts (sizes cached
     per process, so a sweep's pre-check loads each dataset once)."""
-    if name not in _SPECS:
+    if name not in DATA_SPECS:
         raise DataError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
     _check_args(val_fraction, n_train)
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
@@ -290,6 +275,8 @@ def _val_split(n: int, val_fraction: float, seed: int, name: str) -> tuple[np.nd
             f"{name}: val_fraction={val_fraction} of {n} training examples leaves no training "
             "examples; lower val_fraction or provide more data"
         )
+    import torch
+
     # A local generator: the split must neither depend on nor disturb the global torch RNG.
     generator = torch.Generator().manual_seed(int(seed))
     perm = torch.randperm(n, generator=generator).numpy()
@@ -298,6 +285,8 @@ def _val_split(n: int, val_fraction: float, seed: int, name: str) -> tuple[np.nd
 
 
 def _split(x: np.ndarray, y: np.ndarray, to_float) -> Split:
+    import torch
+
     x_t = torch.from_numpy(np.ascontiguousarray(to_float(x), dtype=np.float32))
     y_t = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     return Split(x=x_t, y=y_t)

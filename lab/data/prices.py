@@ -42,16 +42,10 @@ import torch
 
 from . import DataError, sha256_bytes
 from .markets import MarketArrays, horizon_labels
+from .specs import DEFAULT_SYMBOL, SYNTHETIC_KINDS, VEGA_SYMBOLS, check_horizons
+from .specs import SOURCES as SOURCES  # the facts a config checks live in the torch-free specs
 
-SOURCES = ("vega", "csv", "synthetic", "arch")
-SYNTHETIC_KINDS = ("random_walk", "constant", "regimes")
-VEGA_SYMBOLS = ("all", "AAPL", "AMZN", "GOOG", "IBM", "MSFT")
 FULL_LENGTH = ("AAPL", "AMZN", "IBM", "MSFT")  # 2000-01 to 2010-03; GOOG starts in 2004-08
-# "all": one monthly series gives only ~44 training examples at the default window / seq_len /
-# horizons; the four symbols spanning the same 123 months give four times as many, and one
-# calendar cut for all four keeps validation later than every training target (GOOG, shorter
-# and on other dates, is left out). A single symbol is one config value away.
-DEFAULT_SYMBOL = "all"
 
 
 def vega_prices(symbol: str = DEFAULT_SYMBOL) -> np.ndarray:
@@ -179,20 +173,6 @@ def check_prices(prices: np.ndarray, name: str = "price series") -> np.ndarray:
         raise DataError(f"{name} has {bad.size} non-positive price(s), the first at index "
                         f"{bad[0]} ({prices[bad[0]]}); log returns need prices > 0")
     return prices
-
-
-def check_horizons(horizons, main_horizon: int | None = None) -> tuple[int, ...]:
-    horizons = tuple(horizons)
-    if not horizons or any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1
-                           for h in horizons):
-        raise DataError(f"horizons={horizons!r} is not allowed; give a non-empty, strictly "
-                        "increasing tuple of integers >= 1, e.g. (1, 5, 20)")
-    if any(b <= a for a, b in zip(horizons, horizons[1:])):
-        raise DataError(f"horizons={horizons!r} are not strictly increasing; give them in "
-                        "increasing order without repeats, e.g. (1, 5, 20)")
-    if main_horizon is not None and main_horizon not in horizons:
-        raise DataError(f"main_horizon={main_horizon!r} is not one of horizons={horizons!r}")
-    return tuple(int(h) for h in horizons)
 
 
 @dataclass(frozen=True)

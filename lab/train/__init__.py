@@ -2,15 +2,15 @@
 for a causal transformer with a backprop twin, and CfC with an auxiliary supervision path.
 
 Names load on first use (PEP 562), so a notebook that trains one of them does not pay
-for importing the other two.
+for importing the other two; the configs come from ``lab.train.configs``, which imports
+no torch (a bad value is refused before any trainer loads).
 """
 
 from importlib import import_module
 
 _WHERE = {
-    "CfCAuxConfig": "cfc_aux", "train_cfc_aux": "cfc_aux",
-    "ConvConfig": "conv", "build_run": "conv", "train_conv": "conv",
-    "EPConfig": "ep", "train_ep": "ep",
+    "CfCAuxConfig": "configs", "ConvConfig": "configs", "EPConfig": "configs",
+    "train_cfc_aux": "cfc_aux", "build_run": "conv", "train_conv": "conv", "train_ep": "ep",
 }
 __all__ = sorted(_WHERE)
 

@@ -2,4 +2,6 @@
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+from .configs import DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}

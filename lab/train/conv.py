@@ -22,164 +22,24 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, FrozenParams, RunConfig, bounded, choice, configclass
-from ..data import DATA_SPECS, DATASETS, DataError, load_dataset, train_size
+from ..config import ConfigError
+from ..data import load_dataset
 from ..data.augment import augment
 from ..data.batches import iterate_batches
-from ..data.identity import absolute
-from ..device import (
-    check_fits,
-    check_threads,
-    configure_process,
-    keeps_threads,
-    resolve_device,
-    seeded,
-    sync,
-)
+from ..device import configure_process, keeps_threads, resolve_device, seeded, sync
 from ..diagnostics.alignment import alignment
 from ..diagnostics.work import bill
 from ..experiment import Divergence, Expectation, Experiment
 from ..lifecycle import train
 from ..models import ResNet
-from ..rules import RULES, make_rule, resolve_params, rule_class
-from ..rules.base import check_example_needs, check_step_result
-from ..rules.registry import check_params_in_dtype
-from ..rules.registry import rule_params as params_of
+from ..rules import make_rule, rule_class
+from ..rules.base import check_step_result
 from .common import DTYPES
-
-ONECYCLE_MIN_STEPS = 4  # torch's OneCycleLR needs at least one step in each phase
-
-
-@configclass
-class ConvConfig(RunConfig):
-    """Everything one conv run depends on; ``asdict`` is stored in the record."""
-
-    KIND: ClassVar[str] = "conv"  # the record kind its trainer writes (not a field)
-
-    # data
-    dataset: str = choice("mnist1d", DATASETS)
-    data_dir: str = ""  # "" -> $LAB_DATA_DIR or ~/.cache/lab; stored absolute
-    val_fraction: float = bounded(0.1, 0.0, 0.9)
-    n_train: int = bounded(0, 0)  # 0 = every training example
-    augment: str = choice("auto", ("auto", "none", "shift", "crop_flip"))
-    # model
-    depth: int = bounded(20, 8)
-    width: int = bounded(16, 1)
-    normalization: str = choice("batchnorm", ("batchnorm", "none"))
-    residual_scale: float = bounded(1.0, 0.0, lo_open=True)
-    dtype: str = choice("float32", tuple(DTYPES))
-    # learning rule
-    rule: str = "bp"
-    rule_params: dict = dataclasses.field(default_factory=dict)
-    # optimisation
-    optimizer: str = choice("sgd", ("sgd", "adam"))
-    lr: float = bounded(0.1, 0.0, lo_open=True)
-    momentum: float = bounded(0.9, 0.0, 1.0, hi_open=True)
-    nesterov: bool = True
-    weight_decay: float = bounded(1e-3, 0.0)
-    schedule: str = choice("onecycle", ("onecycle", "cosine", "constant"))
-    warmup_fraction: float = bounded(0.25, 0.0, 1.0, lo_open=True, hi_open=True)
-    epochs: int = bounded(60, 1)
-    batch_size: int = bounded(128, 1)
-    grad_clip: float = bounded(0.0, 0.0)  # max global grad norm; 0 = off
-    # evaluation
-    eval_split: str = choice("val", ("val", "test"))
-    eval_every: int = bounded(1, 0)  # epochs between validation passes (and the last); 0 = never
-    eval_batch_size: int = bounded(1000, 1)
-    # diagnostics: alignment with backprop on a fixed probe batch of training examples
-    alignment_every: int = bounded(0, 0)  # epochs between measurements (and the last); 0 = never
-    alignment_batch: int = bounded(256, 1)
-    # divergence (the run fields, seed to progress, come from RunConfig)
-    diverge_factor: float = bounded(1e3, 1.0, lo_open=True)  # x the loss at initialisation
-
-    def __post_init__(self):
-        if self.data_dir and not self.data_dir.strip():
-            raise ConfigError(f"ConvConfig.data_dir={self.data_dir!r} is blank; give a directory, "
-                              "or '' for $LAB_DATA_DIR / ~/.cache/lab")
-        # Absolute, so the record names the directory whatever the working directory of a
-        # later reader or resume.
-        object.__setattr__(self, "data_dir", absolute(self.data_dir))
-        if self.augment == "crop_flip" and DATA_SPECS[self.dataset].dims == 1:
-            # (it failed at the first batch, after the run had started)
-            raise ConfigError(f"ConvConfig.augment='crop_flip' crops and flips images, and "
-                              f"dataset {self.dataset!r} holds 1-D signals; use 'shift' "
-                              "(circular shifts), 'auto' (the dataset's own) or 'none'")
-        if (self.depth - 2) % 6:
-            raise ConfigError(f"ConvConfig.depth={self.depth} is not allowed; use 6n+2 "
-                              "(8, 14, 20, 32, 44, 56, 110)")
-        if self.rule not in RULES:
-            raise ConfigError(f"ConvConfig.rule={self.rule!r} is unknown; known rules: "
-                              f"{', '.join(sorted(RULES))}")
-        if self.eval_split == "test" and self.eval_every:
-            raise ConfigError(
-                "ConvConfig.eval_split='test' with eval_every="
-                f"{self.eval_every} would look at the test split during training; the test "
-                "split is evaluated exactly once, after the last epoch. Use eval_split='val' "
-                "(or eval_every=0)."
-            )
-        if self.eval_every and self.val_fraction == 0:
-            raise ConfigError("ConvConfig.eval_every > 0 needs a validation split; set "
-                              "val_fraction in (0, 0.9] or eval_every=0")
-        # Store the rule's resolved hyper-parameters, defaults included, so the
-        # record says exactly what ran.
-        try:
-            resolved = resolve_params(self.rule, self.rule_params)
-        except ConfigError as err:
-            raise ConfigError(f"ConvConfig.rule_params: {err}") from None
-        object.__setattr__(self, "rule_params", FrozenParams(resolved))
-        try:
-            check_params_in_dtype(self.rule, params_of(self.rule, resolved), self.dtype)
-        except ConfigError as err:
-            raise ConfigError(f"ConvConfig.rule_params: {err}") from None
-
-    def _check_model_fits(self) -> None:
-        """ConfigError if the weights alone, with their gradients, momentum and a rule's
-        feedback copy (4 tensors each), exceed this machine's memory: width=2**63-1 died
-        in torch with "Storage size calculation overflowed", depth=999999998 hung while
-        the model was built."""
-        spec = DATA_SPECS[self.dataset]
-        weights = ResNet.weight_count(self.depth, self.width, spec.dims, spec.in_channels,
-                                      spec.n_classes)
-        check_fits("ConvConfig", 4 * weights * torch.finfo(getattr(torch, self.dtype)).bits // 8,
-                   f"a ResNet-{self.depth} of width {self.width} on {self.dataset} has "
-                   f"{weights:.3g} weights, which with their gradients, momentum and feedback in "
-                   f"{self.dtype}", "give a smaller depth or width (ResNet-20: depth 20, "
-                   "width 16)")
-
-    def preflight(self) -> None:
-        """What the data decides, checked before a run starts (``lab run``, ``lab train``
-        and a sweep's pre-check call it): n_train, the examples the rule's preparation
-        draws and the alignment probe must fit in the training set; and a device this
-        machine has. ConfigError if not."""
-        resolve_device(self.device)
-        check_threads(self.threads)
-        self._check_model_fits()
-        try:
-            available = train_size(self.dataset, data_dir=self.data_dir or None,
-                                   val_fraction=self.val_fraction, n_train=self.n_train)
-        except DataError as err:
-            raise ConfigError(f"ConvConfig: {err}") from None
-        rule = rule_class(self.rule)
-        needs = rule.example_needs(params_of(self.rule, self.rule_params))
-        check_example_needs(self.rule, needs, available)
-        if self.alignment_every and self.alignment_batch > available:
-            raise ConfigError(f"ConvConfig.alignment_batch={self.alignment_batch} but the "
-                              f"training set has only {available} examples (the probe batch "
-                              f"is drawn from it); allowed: 1 to {available}")
-        steps = self.epochs * math.ceil(available / self.batch_size)
-        if self.schedule == "onecycle" and steps < ONECYCLE_MIN_STEPS:
-            # torch's one-cycle needs a step in each phase; a constant rate under the
-            # name onecycle would make the record lie about what ran.
-            raise ConfigError(
-                f"ConvConfig.schedule='onecycle' needs at least {ONECYCLE_MIN_STEPS} optimizer "
-                f"steps; this run has {steps} (epochs={self.epochs} x ceil({available} "
-                f"training examples / batch_size={self.batch_size})); use schedule='constant' "
-                "or 'cosine', more epochs or a smaller batch_size")
+from .configs import ONECYCLE_MIN_STEPS, ConvConfig
 
 
 def _evaluate(model, split, batch_size) -> tuple[float, float]:

@@ -27,20 +27,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
-from ..config import (
-    ConfigError,
-    RunConfig,
-    bounded,
-    check_in_dtype,
-    choice,
-    configclass,
-)
-from ..data.identity import absolute, read_unchanged
+from ..data.identity import read_unchanged
 from ..data.text import (
     TextError,
     bits_per_char,
@@ -49,139 +40,15 @@ from ..data.text import (
     sample_batch,
     text_identity,
 )
-from ..device import (
-    check_fits,
-    check_threads,
-    configure_process,
-    keeps_threads,
-    resolve_device,
-    seeded,
-    sync,
-)
+from ..device import configure_process, keeps_threads, resolve_device, seeded, sync
 from ..experiment import Divergence, Expectation, Experiment
 from ..lifecycle import train
 from ..models.transformer import Transformer, language_model_loss
 from ..rules.ep import Governor, ep_gradient
 from .common import DTYPES
+from .configs import VAL_FRACTION, EPConfig
 
-VAL_FRACTION = 0.1  # the last 10% of the text is the validation split
 SPECTRAL_ITERS = 200
-
-
-@configclass
-class EPConfig(RunConfig):
-    """Everything one EP run depends on; ``asdict`` is stored in the record."""
-
-    KIND: ClassVar[str] = "ep"  # the record kind its trainer writes (not a field)
-
-    # data: "" = the bundled corpus (pydoc_data.topics), else a UTF-8 text file; a relative
-    # path is made absolute on construction (against the working directory), so the record
-    # names the file itself
-    text_path: str = ""
-    seq_len: int = bounded(64, 1)
-    # model (the vocabulary comes from the data)
-    d_model: int = bounded(64, 1)
-    n_layers: int = bounded(3, 1)
-    n_heads: int = bounded(4, 1)
-    mlp_ratio: int = bounded(4, 1)
-    dtype: str = choice("float32", tuple(DTYPES))
-    # equilibrium propagation
-    beta: float = bounded(0.01, 0.0, lo_open=True)
-    beta_schedule: str = choice("constant", ("constant", "cosine"))
-    beta_final: float = bounded(0.001, 0.0, lo_open=True)  # the cosine schedule's end value
-    K: int = bounded(2, 1)
-    drift_bound: float = bounded(0.05, 0.0)  # 0 = no governor
-    recover_after: int = bounded(50, 1)  # clean steps before beta/K step back up
-    # optimisation (EP and its twin alike)
-    steps: int = bounded(3000, 1)
-    batch_size: int = bounded(32, 1)
-    optimizer: str = choice("adamw", ("adamw", "adam", "sgd"))
-    lr: float = bounded(3e-3, 0.0, lo_open=True)
-    weight_decay: float = bounded(0.01, 0.0)
-    schedule: str = choice("cosine", ("cosine", "constant"))
-    warmup_steps: int = bounded(100, 0)
-    grad_clip: float = bounded(1.0, 0.0)  # max global grad norm; 0 = off
-    # evaluation and diagnostics
-    eval_every: int = bounded(500, 0)  # steps between validations (and the last); 0 = at the end
-    eval_batches: int = bounded(0, 0)  # batches of batch_size windows; 0 = the whole split
-    cosine_every: int = bounded(100, 0)  # steps between EP/BP cosines (and the last); 0 = never
-    checkpoint_every: int = bounded(100, 0)  # steps (RunConfig's field, another default)
-
-    def __post_init__(self):
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"EPConfig.d_model={self.d_model} is not divisible by "
-                              f"n_heads={self.n_heads}; each head gets d_model / n_heads "
-                              "channels")
-        # Resolved once, where the config is built (`lab run` and its kernel share a working
-        # directory): a run started elsewhere then differs visibly in its config instead of
-        # silently reading another file of the same name.
-        object.__setattr__(self, "text_path", absolute(self.text_path))
-        _check_beta(self)
-        if self.warmup_steps > self.steps:
-            raise ConfigError(f"EPConfig.warmup_steps={self.warmup_steps} exceeds "
-                              f"steps={self.steps}: the learning rate would still be warming up "
-                              "when the run ends; use warmup_steps <= steps")
-
-    def weight_floor(self) -> int:
-        """At most the model's weight count: its blocks' matrices and the positions."""
-        return self.n_layers * (4 + 2 * self.mlp_ratio) * self.d_model ** 2 \
-            + self.seq_len * self.d_model
-
-    def _check_model_fits(self) -> None:
-        """ConfigError if the model and its twin cannot fit in memory (d_model=2**40 died
-        in torch's allocator after the kernel started). A lower bound: the blocks' weights
-        (4 + 2 mlp_ratio) d_model^2 per layer and the positions, for both models with their
-        gradients; one step's free and nudged states, one layer's attention scores and MLP
-        hidden units; the vocabulary and the optimizer's moments left out."""
-        B, T, D, L = self.batch_size, self.seq_len, self.d_model, self.n_layers
-        elements = 4 * self.weight_floor() + 2 * B * T * D * L + B * self.n_heads * T * T \
-            + B * T * D * self.mlp_ratio
-        check_fits("EPConfig", elements * torch.finfo(DTYPES[self.dtype]).bits // 8,
-                   f"a transformer of n_layers={L}, d_model={D}, mlp_ratio={self.mlp_ratio} "
-                   f"and its backprop twin, with one step of batch_size={B} windows of "
-                   f"seq_len={T}, in {self.dtype},",
-                   "give a smaller model, batch_size or seq_len")
-
-    def preflight(self) -> None:
-        """What the text decides, before a run starts (``lab run``, a sweep's pre-check,
-        ``train_ep``): readable UTF-8, long enough for ``seq_len`` in both splits; and a
-        device this machine has."""
-        resolve_device(self.device)
-        check_threads(self.threads)
-        self._check_model_fits()
-        # Here, not at construction: see CfCAuxConfig.preflight.
-        if self.text_path and not Path(self.text_path).is_file():
-            raise ConfigError(f"EPConfig.text_path={self.text_path!r} does not exist or is not "
-                              "a file; expected a UTF-8 text file, or '' for the bundled corpus")
-        try:
-            load_corpus(self.text_path, seq_len=self.seq_len, val_fraction=VAL_FRACTION)
-        except (TextError, OSError) as err:
-            raise ConfigError(f"EPConfig: {err}") from None
-
-
-def _check_beta(config: EPConfig) -> None:
-    """beta (and a cosine schedule's end value) large enough to move the states at all."""
-    # The top force is about beta per element on states of order 1: below the dtype's machine
-    # epsilon the nudge is lost to rounding (drift 0; only the read-out learns), and far below
-    # it E / (n beta) turns into NaN. The governor cannot catch that: zero drift looks clean.
-    eps = float(torch.finfo(DTYPES[config.dtype]).eps)
-    names = ("beta", "beta_final") if config.beta_schedule == "cosine" else ("beta",)
-    # Far above the dtype's range the nudged phase overflows at its first step.
-    check_in_dtype(config, names, config.dtype, by="nudged phase")
-    for name in names:
-        value = getattr(config, name)
-        if value < eps:
-            raise ConfigError(f"EPConfig.{name}={value!r} is too small for "
-                              f"dtype={config.dtype!r}: below its machine epsilon ({eps:.4g}) "
-                              "the nudge is lost to rounding and EP computes no gradient; "
-                              f"allowed: {name} >= {eps:.4g}")
-    # The schedule anneals: beta's error is O(beta) (see the module doc), so it starts at the
-    # exploratory value and ends at the less biased beta_final; ending higher makes no sense.
-    if config.beta_schedule == "cosine" and config.beta_final > config.beta:
-        raise ConfigError(f"EPConfig.beta_final={config.beta_final!r} > beta={config.beta!r}: "
-                          "beta_schedule='cosine' anneals beta down to beta_final (a smaller "
-                          "beta is a less biased estimate); use beta_final <= beta, or "
-                          "beta_schedule='constant'")
 
 
 # ---------------------------------------------------------------------------
