@@ -39,6 +39,7 @@ from .dispatch import (
                         aux_add,
                         mixed_apical,
                         mixed_local,
+                        mixed_traffic_local,
                         predictor_update,
                         start_pool,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "mixed_apical_reference",
     "mixed_local",
     "mixed_local_reference",
+    "mixed_traffic_local",
     "mixed_traffic_local_reference",
     "mixed_traffic_reference",
     "predictor_update",

@@ -30,6 +30,9 @@ ITEMS = 4
 MAX_ROW_BLOCKS = 256
 MAX_GRID_Y = 65535
 RAW, INNOVATION, MATCHED = 0, 1, 2
+# mixed_local's sources of the signals (cpu.py's forms): per-unit affine (the seed's),
+# per-unit quadratic (d - q h) h - b, or T and the prediction given per element.
+UNIT, QUAD, GIVEN = 0, 1, 2
 
 
 def row_blocks(N: int, tpb: int = TPB) -> int:
@@ -217,13 +220,14 @@ def kernels(tpb: int = TPB) -> dict:
             dst[i] += src[i]
 
     @cuda.jit
-    def local_rows(I, h, gC, d, b, rows, fac):
+    def local_rows(I, h, gC, d, b, q, tx, px, sg, form, rows, fac):
         """Matched's first pass for ``mixed_local``: per example ||R_e||^2, ||N_e||^2, scale.
 
         Grid min(B, 65535) blocks (grid-stride over examples), ``tpb`` threads; block e
-        reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,);
-        writes rows (B, 2) float64 and fac (B,) in the input dtype (zero where raw is
-        zero). Bytes per element: 2 * itemsize.
+        reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,) (QUAD:
+        q (M,); GIVEN: tx, px (B, M) instead of gC, d, b); writes rows (B, 2) float64 and
+        fac (B,) in the input dtype (zero where raw is zero). Bytes per element:
+        2 * itemsize (GIVEN: 4).
         """
         tx = cuda.threadIdx.x
         sh = cuda.shared.array((2, tpb), float64)
@@ -233,8 +237,15 @@ def kernels(tpb: int = TPB) -> dict:
             for j in range(tx, M, tpb):
                 i = I[e, j]
                 hv = h[e, j]
-                r = i + gC[j] * hv
-                n = i + (d[j] * hv - b[j])
+                if form == GIVEN:
+                    r = i + sg * tx[e, j]
+                    n = i + sg * (tx[e, j] - px[e, j])
+                elif form == QUAD:
+                    r = i + gC[j] * hv
+                    n = i + ((d[j] - q[j] * hv) * hv - b[j])
+                else:
+                    r = i + gC[j] * hv
+                    n = i + (d[j] * hv - b[j])
                 s_r += float64(r) * float64(r)
                 s_n += float64(n) * float64(n)
             sh[0, tx] = s_r
@@ -255,15 +266,17 @@ def kernels(tpb: int = TPB) -> dict:
             cuda.syncthreads()
 
     @cuda.jit
-    def local_sums(I, h, o, gC, d, b, fac, rule, scale, mean, istd, has_norm, part):
+    def local_sums(I, h, o, gC, d, b, q, tx, px, sg, form, fac, rule, scale, mean, istd, has_norm,
+                   part):
         """``mixed_local`` pass 1: per (example, channel) slab, the eight sums.
 
         Grid (Ch, min(B, 65535)), ``tpb`` threads; block (c, y) reduces the slabs (e, c)
         for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 8) float64:
         squares of I, T, R, N, then sum m, sum m * xhat for the masked used signal
         m = scale * U where h > 0, and sum q, sum q * xhat for the masked instruction
-        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S).
-        Bytes per element: 3 * itemsize.
+        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S) (QUAD: q
+        (Ch, S); GIVEN: tx, px (B, Ch, S) instead). Bytes per element: 3 * itemsize
+        (GIVEN: 5).
         """
         tx = cuda.threadIdx.x
         ch = cuda.blockIdx.x
@@ -279,9 +292,16 @@ def kernels(tpb: int = TPB) -> dict:
             for j in range(tx, S, tpb):
                 i = I[e, ch, j]
                 hv = h[e, ch, j]
-                t = gC[ch, j] * hv
+                if form == GIVEN:
+                    t = sg * tx[e, ch, j]
+                    n = i + sg * (tx[e, ch, j] - px[e, ch, j])
+                elif form == QUAD:
+                    t = gC[ch, j] * hv
+                    n = i + ((d[ch, j] - q[ch, j] * hv) * hv - b[ch, j])
+                else:
+                    t = gC[ch, j] * hv
+                    n = i + (d[ch, j] * hv - b[ch, j])
                 r = i + t
-                n = i + (d[ch, j] * hv - b[ch, j])
                 u = i  # rule NONE: the clean reference
                 if rule == RAW:
                     u = r
@@ -338,14 +358,14 @@ def kernels(tpb: int = TPB) -> dict:
                     kac[ch, q] = 0.0
 
     @cuda.jit
-    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
-                    scale, mean, istd, kac, has_norm):
+    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, q, tx, px, sg,
+                    form, fac, rule, scale, mean, istd, kac, has_norm):
         """``mixed_local`` pass 2: out = k * (m - mean(m) - xhat * mean(m xhat)); with
         ``want_inst`` inst the same for q, with ``want_masked`` masked = I where h > 0.
 
         Grid-stride over the B * Ch * S elements (any grid). Reads I, h, o (B, Ch, S);
         writes out, and inst and masked when wanted (not in place). Bytes per element:
-        (4 + wanted outputs) * itemsize.
+        (4 + wanted outputs) * itemsize (GIVEN: + 2, tx and px).
         """
         B, Ch, S = I.shape
         for k in range(cuda.grid(1), B * Ch * S, cuda.gridsize(1)):
@@ -354,9 +374,16 @@ def kernels(tpb: int = TPB) -> dict:
             j = k % S
             i = I[e, ch, j]
             hv = h[e, ch, j]
-            t = gC[ch, j] * hv
+            if form == GIVEN:
+                t = sg * tx[e, ch, j]
+                n = i + sg * (tx[e, ch, j] - px[e, ch, j])
+            elif form == QUAD:
+                t = gC[ch, j] * hv
+                n = i + ((d[ch, j] - q[ch, j] * hv) * hv - b[ch, j])
+            else:
+                t = gC[ch, j] * hv
+                n = i + (d[ch, j] * hv - b[ch, j])
             r = i + t
-            n = i + (d[ch, j] * hv - b[ch, j])
             u = i  # rule NONE: the clean reference
             if rule == RAW:
                 u = r
@@ -397,26 +424,34 @@ def mixed_apical(I, h, gC, P, b, rule, out, part, rows, scales, tot, stream=0, t
 
 
 def mixed_local(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
-                scale, mean, istd, gamma, has_norm, chan, rows, part, kac, stream=0, tpb=TPB):
+                scale, mean, istd, gamma, has_norm, chan, rows, part, kac, q=None, tx=None,
+                px=None, sg=1.0, form=UNIT, stream=0, tpb=TPB):
     """Launches ``mixed_local``: matched's row pass, the slab sums, the per-channel combine,
     the writes. Populations (B, Ch, S); inst, masked (B, Ch, S), or any (1, 1, 1) array
     when not wanted; gC (the gain times C, rounded as the reference does), d = gC - P,
     b (Ch, S); fac (B,) ones unless matched (filled here); mean, istd, gamma (Ch,) (any
     length-1 arrays without a norm); workspaces: rows (B, 2), part (B, Ch, 8), chan
-    (Ch, 8) float64, kac (Ch, 5) in the input dtype."""
+    (Ch, 8) float64, kac (Ch, 5) in the input dtype. ``form`` QUAD: q (Ch, S) the
+    quadratic term (sign folded in as for P); GIVEN: tx, px (B, Ch, S) the traffic and
+    the prediction in the reference's units, sg = -sign (gC, d, b then any (1, 1))."""
     k = kernels(tpb)
     B, Ch, S = I.shape
+    q = gC if q is None else q
+    tx = I if tx is None else tx
+    px = I if px is None else px
     if rule == MATCHED:
+        flat = [t.reshape(t.shape[0], t.size // t.shape[0]) for t in (tx, px)]
         k["local_rows"][min(B, MAX_GRID_Y), tpb, stream](
-            I.reshape(B, Ch * S), h.reshape(B, Ch * S), gC.reshape(Ch * S), d.reshape(Ch * S),
-            b.reshape(Ch * S), rows, fac)
-    k["local_sums"][(Ch, min(B, MAX_GRID_Y)), tpb, stream](I, h, o, gC, d, b, fac, rule, scale,
-                                                           mean, istd, has_norm, part)
+            I.reshape(B, Ch * S), h.reshape(B, Ch * S),
+            *(t.reshape(t.size) for t in (gC, d, b, q)), *flat, sg, form, rows, fac)
+    k["local_sums"][(Ch, min(B, MAX_GRID_Y)), tpb, stream](I, h, o, gC, d, b, q, tx, px, sg,
+                                                           form, fac, rule, scale, mean, istd,
+                                                           has_norm, part)
     k["local_combine"][1, tpb, stream](part, gamma, istd, has_norm, float(B * S), chan, kac)
     blocks = max(1, min(4096, -(-(B * Ch * S) // tpb)))
     k["local_write"][blocks, tpb, stream](I, h, o, out, inst, masked, want_inst, want_masked,
-                                          gC, d, b, fac, rule, scale, mean, istd, kac,
-                                          has_norm)
+                                          gC, d, b, q, tx, px, sg, form, fac, rule, scale, mean,
+                                          istd, kac, has_norm)
 
 
 def predictor_workspace_shapes(N: int, tpb: int = TPB) -> dict:
@@ -451,10 +486,12 @@ def ptx_signatures(dtype: str) -> dict:
         predictor=(pop, pop, unit, unit, f64, f64[:, ::1]),
         sum_part=(f64[:, ::1], f64[::1]),
         add=(unit, unit),
-        local_rows=(pop, pop, unit, unit, unit, f64[:, ::1], unit),
-        local_sums=(cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit, unit,
-                    types.boolean, f64[:, :, ::1]),
+        local_rows=(pop, pop, unit, unit, unit, unit, pop, pop, f, types.int64, f64[:, ::1],
+                    unit),
+        local_sums=(cube, cube, cube, pop, pop, pop, pop, cube, cube, f, types.int64, unit,
+                    types.int64, f, unit, unit, types.boolean, f64[:, :, ::1]),
         local_combine=(f64[:, :, ::1], unit, unit, types.boolean, f64, f64[:, ::1], pop),
         local_write=(cube, cube, cube, cube, cube, cube, types.boolean, types.boolean, pop, pop,
-                     pop, unit, types.int64, f, unit, unit, pop, types.boolean),
+                     pop, pop, cube, cube, f, types.int64, unit, types.int64, f, unit, unit, pop,
+                     types.boolean),
     )

@@ -50,12 +50,14 @@ def sign_factor(sign: str) -> int:
 
 
 def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
-                           sign: str = "hebbian") -> MixedApical:
+                           sign: str = "hebbian", P2=None) -> MixedApical:
     """Traffic, raw, innovation and matched for one population (module docstring).
 
     I, h: (B, *U); C, P, b: (*U); gain a number. ``.used`` is in the gradient
     convention (what the optimizer subtracts); the sums of squares are of the
-    gradient-convention signals (the same numbers as the descent ones)."""
+    gradient-convention signals (the same numbers as the descent ones). ``P2`` (*U),
+    MT-2's per-unit quadratic predictor P h + P2 h^2 + b: the correction is then
+    ((g*C - P) - P2*h)*h - b, still exactly zero under an exact predictor."""
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
     s = sign_factor(sign)
@@ -63,7 +65,10 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
     gC = C * gain  # (*U)
     T = gC * h  # (B, *U) the traffic
     R = d + s * T
-    N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
+    if P2 is None:
+        N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
+    else:
+        N = d + s * (((gC - P) - P2 * h) * h - b)  # = R - s (P h + P2 h^2 + b)
     return _chosen(I, T, R, N, rule)
 
 
@@ -105,7 +110,7 @@ def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa: E741
                           invstd=None, gamma=None, scale: float = 1.0, instruction: bool = False,
-                          masked: bool = False, sign: str = "hebbian") -> MixedLocal:
+                          masked: bool = False, sign: str = "hebbian", P2=None) -> MixedLocal:
     """One population's backward step to the output o of the layer that made it.
 
     h = relu(scale * norm(o) + shortcut) (no norm: relu(scale * o + shortcut)).
@@ -115,12 +120,12 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
     without a norm L(X) = m. ``.grad`` = L(used), ``.instruction_grad`` = L(I),
     ``.masked`` = I * (h > 0) (what the shortcut receives); ``.dgamma``, ``.dbeta``
     the used signal's norm parameter gradients. Rule ``none``: used = I. Norm sums
-    in float64.
+    in float64. ``P2``: the quadratic predictor's term, as in ``mixed_apical_reference``.
     """
     if rule not in LOCAL_RULES:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     mixed = mixed_apical_reference(I, h, C, gain, P, b,
-                                   "innovation" if rule == "none" else rule, sign)
+                                   "innovation" if rule == "none" else rule, sign, P2)
     return _local_from(mixed, I, h, o, rule, mean, invstd, gamma, scale, instruction, masked)
 
 
