@@ -220,12 +220,12 @@ def kernels(tpb: int = TPB) -> dict:
             dst[i] += src[i]
 
     @cuda.jit
-    def local_rows(I, h, gC, d, b, q, tx, px, sg, form, rows, fac):
+    def local_rows(I, h, gC, d, b, p2, gt, gp, sg, form, rows, fac):
         """Matched's first pass for ``mixed_local``: per example ||R_e||^2, ||N_e||^2, scale.
 
         Grid min(B, 65535) blocks (grid-stride over examples), ``tpb`` threads; block e
         reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,) (QUAD:
-        q (M,); GIVEN: tx, px (B, M) instead of gC, d, b); writes rows (B, 2) float64 and
+        p2 (M,); GIVEN: gt, gp (B, M) instead of gC, d, b); writes rows (B, 2) float64 and
         fac (B,) in the input dtype (zero where raw is zero). Bytes per element:
         2 * itemsize (GIVEN: 4).
         """
@@ -238,11 +238,11 @@ def kernels(tpb: int = TPB) -> dict:
                 i = I[e, j]
                 hv = h[e, j]
                 if form == GIVEN:
-                    r = i + sg * tx[e, j]
-                    n = i + sg * (tx[e, j] - px[e, j])
+                    r = i + sg * gt[e, j]
+                    n = i + sg * (gt[e, j] - gp[e, j])
                 elif form == QUAD:
                     r = i + gC[j] * hv
-                    n = i + ((d[j] - q[j] * hv) * hv - b[j])
+                    n = i + ((d[j] - p2[j] * hv) * hv - b[j])
                 else:
                     r = i + gC[j] * hv
                     n = i + (d[j] * hv - b[j])
@@ -266,16 +266,16 @@ def kernels(tpb: int = TPB) -> dict:
             cuda.syncthreads()
 
     @cuda.jit
-    def local_sums(I, h, o, gC, d, b, q, tx, px, sg, form, fac, rule, scale, mean, istd, has_norm,
-                   part):
+    def local_sums(I, h, o, gC, d, b, p2, gt, gp, sg, form, fac, rule, scale, mean, istd,
+                   has_norm, part):
         """``mixed_local`` pass 1: per (example, channel) slab, the eight sums.
 
         Grid (Ch, min(B, 65535)), ``tpb`` threads; block (c, y) reduces the slabs (e, c)
         for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 8) float64:
         squares of I, T, R, N, then sum m, sum m * xhat for the masked used signal
         m = scale * U where h > 0, and sum q, sum q * xhat for the masked instruction
-        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S) (QUAD: q
-        (Ch, S); GIVEN: tx, px (B, Ch, S) instead). Bytes per element: 3 * itemsize
+        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S) (QUAD: p2
+        (Ch, S); GIVEN: gt, gp (B, Ch, S) instead). Bytes per element: 3 * itemsize
         (GIVEN: 5).
         """
         tx = cuda.threadIdx.x
@@ -293,11 +293,11 @@ def kernels(tpb: int = TPB) -> dict:
                 i = I[e, ch, j]
                 hv = h[e, ch, j]
                 if form == GIVEN:
-                    t = sg * tx[e, ch, j]
-                    n = i + sg * (tx[e, ch, j] - px[e, ch, j])
+                    t = sg * gt[e, ch, j]
+                    n = i + sg * (gt[e, ch, j] - gp[e, ch, j])
                 elif form == QUAD:
                     t = gC[ch, j] * hv
-                    n = i + ((d[ch, j] - q[ch, j] * hv) * hv - b[ch, j])
+                    n = i + ((d[ch, j] - p2[ch, j] * hv) * hv - b[ch, j])
                 else:
                     t = gC[ch, j] * hv
                     n = i + (d[ch, j] * hv - b[ch, j])
@@ -358,14 +358,14 @@ def kernels(tpb: int = TPB) -> dict:
                     kac[ch, q] = 0.0
 
     @cuda.jit
-    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, q, tx, px, sg,
-                    form, fac, rule, scale, mean, istd, kac, has_norm):
+    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, p2, gt, gp,
+                    sg, form, fac, rule, scale, mean, istd, kac, has_norm):
         """``mixed_local`` pass 2: out = k * (m - mean(m) - xhat * mean(m xhat)); with
         ``want_inst`` inst the same for q, with ``want_masked`` masked = I where h > 0.
 
         Grid-stride over the B * Ch * S elements (any grid). Reads I, h, o (B, Ch, S);
         writes out, and inst and masked when wanted (not in place). Bytes per element:
-        (4 + wanted outputs) * itemsize (GIVEN: + 2, tx and px).
+        (4 + wanted outputs) * itemsize (GIVEN: + 2, gt and gp).
         """
         B, Ch, S = I.shape
         for k in range(cuda.grid(1), B * Ch * S, cuda.gridsize(1)):
@@ -375,11 +375,11 @@ def kernels(tpb: int = TPB) -> dict:
             i = I[e, ch, j]
             hv = h[e, ch, j]
             if form == GIVEN:
-                t = sg * tx[e, ch, j]
-                n = i + sg * (tx[e, ch, j] - px[e, ch, j])
+                t = sg * gt[e, ch, j]
+                n = i + sg * (gt[e, ch, j] - gp[e, ch, j])
             elif form == QUAD:
                 t = gC[ch, j] * hv
-                n = i + ((d[ch, j] - q[ch, j] * hv) * hv - b[ch, j])
+                n = i + ((d[ch, j] - p2[ch, j] * hv) * hv - b[ch, j])
             else:
                 t = gC[ch, j] * hv
                 n = i + (d[ch, j] * hv - b[ch, j])

@@ -130,6 +130,40 @@ def check_local(shape, dtype, rule, norm, seed=6):
     print("ok", name)
 
 
+def check_local_mt2(shape, dtype, form, rule, norm, sign, seed=7):
+    """MT-2's forms of ``mixed_local`` through the dispatcher's CUDA branch: the per-unit
+    quadratic predictor (P2) and a given traffic and prediction, against the reference."""
+    import numba_kernels as nk
+
+    t = data(shape, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    like = t["I"]
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(like)
+
+    o, P2, T, prediction = r(*shape), 0.2 * r(*shape[1:]), r(*shape), r(*shape)
+    Ch = shape[1]
+    stats = dict(mean=r(Ch), invstd=r(Ch).abs() + 0.5, gamma=r(Ch)) if norm else {}
+    kw = dict(scale=0.5, instruction=True, masked=True, sign=sign, **stats)
+    if form == "quadratic":
+        args = (t["I"], t["h"], o, t["C"], 0.7, t["P"], t["b"], rule)
+        got = nk.mixed_local(*args, P2=P2, **kw)
+        want = nk.mixed_local(*args, P2=P2, backend="torch", **kw)
+    else:
+        args = (t["I"], t["h"], o, T, prediction, rule)
+        got = nk.mixed_traffic_local(*args, **kw)
+        want = nk.mixed_traffic_local(*args, backend="torch", **kw)
+    name = f"local {form} {rule} {sign} {shape} {dtype.__name__} norm={norm}"
+    for field in ("grad", "instruction_grad", "masked"):
+        close(f"{name} {field}", getattr(got, field), getattr(want, field), TOL[dtype])
+    if norm:
+        close(name + " dgamma", got.dgamma, want.dgamma, TOL[dtype] * 10)
+        close(name + " dbeta", got.dbeta, want.dbeta, TOL[dtype] * 10)
+    close(name + " sums", [float(x) for x in got[5:]], [float(x) for x in want[5:]], TOL[dtype])
+    print("ok", name)
+
+
 def check_predictor(shape, dtype, seed=1):
     t = data(shape, dtype, seed)
     T = t["I"]  # any (B, *U) tensor serves as the traffic to predict
@@ -186,6 +220,15 @@ def main():
                 for norm in (True, False):
                     if shape == (3, 2, 5, 7) or (norm and rule not in ("none", "raw")):
                         check_local(shape, dtype, rule, norm)
+    # MT-2's forms: every rule on the 4-D population (both signs, with and without a
+    # norm between them); one example and a flat population under matched
+    for dtype in (np.float32, np.float64):
+        for form in ("quadratic", "given"):
+            for rule, sign in (("none", "hebbian"), ("raw", "anti_hebbian"),
+                               ("matched", "hebbian"), ("innovation", "anti_hebbian")):
+                check_local_mt2((3, 2, 5, 7), dtype, form, rule, sign == "hebbian", sign)
+            for shape in ((1, 3, 11), (5, 9)):
+                check_local_mt2(shape, dtype, form, "matched", True, "anti_hebbian")
 
 
 def check_zero_row():
