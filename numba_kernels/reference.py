@@ -22,6 +22,11 @@ arithmetic and the instruction bit for bit under an exact predictor
 (s*g, s*P, s*b) negated by the sign; negation is exact, so both give the same
 bits. Sums of squares are accumulated in float64; the predictor update's
 reductions run in float64 and are rounded to the parameters' dtype once.
+
+MT-2 (issue 37) adds two forms of the same signals: the per-unit quadratic
+predictor P*h + P2*h^2 + b (``P2``: the correction ((g*C - P) - P2*h)*h - b), and
+the general one, ``mixed_traffic_reference``, where any traffic model's T and any
+predictor's prediction are given as tensors (N_d = d + s*(T - prediction)).
 """
 
 from __future__ import annotations

@@ -21,8 +21,11 @@ population h (B, *U) with instruction I (d loss / dh), per unit:
 
 The fused kernels (``numba_kernels``) compute the signals with the sums of squares
 the epoch log needs. A new traffic model or predictor (MT-2) is a class with the
-same narrow interface: ``ensure(i, h)``, ``__call__(i, h)`` / ``update(i, h, T, eta)``,
-``state()`` / ``load(state)``.
+same narrow interface: ``ensure(i, h)``, ``__call__(i, h, factor)`` /
+``update(i, h, T, eta)``, ``state()`` / ``load(state)``. Linear traffic with a per-unit
+predictor runs the fused step from the per-unit coefficients (``mixed_local``, with P2
+for the quadratic one); any other pair forms T and the prediction in torch and runs
+the fused step on them (``mixed_traffic_local``).
 """
 
 from __future__ import annotations
