@@ -54,6 +54,7 @@ from .reference import (
                         mixed_traffic_local_reference,
                         mixed_traffic_reference,
                         predictor_update_reference,
+                        quadratic_predictor_update_reference,
 )
 from .results import MixedApical, MixedLocal, PredictorStats
 
@@ -76,5 +77,6 @@ __all__ = [
     "mixed_traffic_reference",
     "predictor_update",
     "predictor_update_reference",
+    "quadratic_predictor_update_reference",
     "start_pool",
 ]

@@ -331,6 +331,92 @@ def predictor_update(h, T, P, b, eta: float):
     return _sum_rows(part)
 
 
+@njit(cache=True)
+def _quadratic_chunk(h, T, P, P2, b, eta, j0, j1, part, c):
+    # The quadratic predictor's step on units j0:j1 (reference.quadratic_predictor_update_
+    # reference): per-unit float64 accumulators down the batch, as _predictor_chunk, in
+    # the reference's order of operations.
+    B = h.shape[0]
+    W = j1 - j0
+    p = P[j0:j1].astype(np.float64)
+    p2 = P2[j0:j1].astype(np.float64)
+    q0 = b[j0:j1].astype(np.float64)
+    sh = np.zeros(W)
+    sq = np.zeros(W)
+    sr = np.zeros(W)
+    for e in range(B):
+        for k in range(W):
+            hv = np.float64(h[e, j0 + k])
+            qv = hv * hv
+            sh[k] += hv
+            sq[k] += qv
+            sr[k] += np.float64(T[e, j0 + k]) - (p[k] * hv + p2[k] * qv + q0[k])
+    mh, mq, mr = sh / B, sq / B, sr / B
+    a = np.zeros(W)
+    cc = np.zeros(W)
+    d = np.zeros(W)
+    u = np.zeros(W)
+    v = np.zeros(W)
+    ssr = np.zeros(W)
+    sst = np.zeros(W)
+    for e in range(B):
+        for k in range(W):
+            hv = np.float64(h[e, j0 + k])
+            tv = np.float64(T[e, j0 + k])
+            qv = hv * hv
+            r = tv - (p[k] * hv + p2[k] * qv + q0[k])
+            hc, qc, rc = hv - mh[k], qv - mq[k], r - mr[k]
+            a[k] += hc * hc
+            cc[k] += hc * qc
+            d[k] += qc * qc
+            u[k] += rc * hc
+            v[k] += rc * qc
+            ssr[k] += r * r
+            sst[k] += tv * tv
+    for k in range(W):
+        ak, ck, dk = a[k] / B + 1e-12, cc[k] / B, d[k] / B + 1e-12
+        uk, vk = u[k] / B, v[k] / B
+        det = ak * dk - ck * ck
+        if not det > 1e-24 * ak * dk:  # a degenerate unit: no step (NaN too)
+            det = np.inf
+        P[j0 + k] = p[k] + eta * (dk * uk - ck * vk) / det
+        P2[j0 + k] = p2[k] + eta * (ak * vk - ck * uk) / det
+        b[j0 + k] = q0[k] + eta * mr[k]
+    s_r = 0.0
+    s_t = 0.0
+    for k in range(W):  # unit order: fixed
+        s_r += ssr[k]
+        s_t += sst[k]
+    part[c, 0] = s_r
+    part[c, 1] = s_t
+
+
+@njit(cache=True, parallel=True)
+def _quadratic_parallel(h, T, P, P2, b, eta, part):
+    N = h.shape[1]
+    for c in prange(part.shape[0]):
+        _quadratic_chunk(h, T, P, P2, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK),
+                         part, c)
+
+
+@njit(cache=True)
+def _quadratic_serial(h, T, P, P2, b, eta, part):
+    N = h.shape[1]
+    for c in range(part.shape[0]):
+        _quadratic_chunk(h, T, P, P2, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK),
+                         part, c)
+
+
+def quadratic_predictor_update(h, T, P, P2, b, eta: float):
+    """MT-2's quadratic predictor step, in place on P, P2 and b (numpy arrays): launch and
+    memory contract as ``predictor_update`` (+ P2 read and written per unit)."""
+    n_chunks = max(1, -(-h.shape[1] // UNIT_CHUNK))
+    part = np.empty((n_chunks, 2))
+    kernel = _quadratic_serial if h.size < SERIAL_BELOW else _quadratic_parallel
+    kernel(h, T, P, P2, b, float(eta), part)
+    return _sum_rows(part)
+
+
 # ---- aux add --------------------------------------------------------------------------------
 
 

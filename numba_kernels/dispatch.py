@@ -456,7 +456,7 @@ def _local_kernel(form, I, h, o, rule, mean, invstd, gamma, sc, instruction, mas
     return MixedLocal(grad.view(h.shape) if out is None else out, inst, msk, dgamma, dbeta, *ss)
 
 
-def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:
+def predictor_update(h, T, P, b, eta, *, P2=None, backend: str = "auto") -> PredictorStats:
     """One normalised-LMS step of the per-unit predictor, in place on P and b.
 
     h, T: (B, *U) activity and the traffic it should predict (instruction-off
@@ -464,11 +464,14 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     P += eta * mean_b(centred r * centred h) / (var_b(h) + 1e-12) (var biased),
     b += eta * mean_b(r), both from the residual before this update; reductions in
     float64. Returns the population's sums of squares of r (before the update) and T.
+    ``P2`` (*U): MT-2's quadratic predictor P h + P2 h^2 + b, stepped over both features
+    (``reference.quadratic_predictor_update_reference``), in place on P2 too.
     """
-    form = _checked_form("predictor_update", backend, dict(h=h, T=T, P=P, b=b),
-                         population=("h", "T"), per_unit=("P", "b"), in_place=("P", "b"))
-    _untracked("P", P)
-    _untracked("b", b)
+    tensors = dict(h=h, T=T, P=P, b=b, P2=P2)
+    form = _checked_form("predictor_update", backend, tensors, population=("h", "T"),
+                         per_unit=("P", "b", "P2"), in_place=("P", "b", "P2"))
+    for name in ("P", "b", "P2"):
+        _untracked(name, tensors[name])
     lr = _number("eta", eta, h.dtype)
     if lr < 0:
         # A negative step moves P and b away from the least-squares fit: the predictor
@@ -477,11 +480,18 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
                          "rules' predictor_lr is in (0, 1]; 0 leaves P and b unchanged)")
     if form == "torch":
         with torch.no_grad():
+            if P2 is not None:
+                return reference.quadratic_predictor_update_reference(h.detach(), T.detach(),
+                                                                      P, P2, b, lr)
             return reference.predictor_update_reference(h.detach(), T.detach(), P, b, lr)
     B, N = h.shape[0], h.numel() // h.shape[0]
     if form == "cpu":
-        tot = torch.from_numpy(cpu.predictor_update(_np(h, B, N), _np(T, B, N), _np(P, N),
-                                                    _np(b, N), lr))
+        flat = (_np(h, B, N), _np(T, B, N))
+        if P2 is None:
+            tot = cpu.predictor_update(*flat, _np(P, N), _np(b, N), lr)
+        else:
+            tot = cpu.quadratic_predictor_update(*flat, _np(P, N), _np(P2, N), _np(b, N), lr)
+        tot = torch.from_numpy(tot)
     else:
         from . import gpu
 
@@ -491,10 +501,15 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
               for k, s in gpu.predictor_workspace_shapes(N).items()}
         with _cuda_launch(h.device) as stream:
             arr = _device_array
-            gpu.predictor_update(*(arr(t) for t in flat), arr(P_), arr(b_), lr,
-                                 arr(ws["part"]), arr(ws["tot"]), stream=stream)
+            if P2 is None:
+                gpu.predictor_update(*(arr(t) for t in flat), arr(P_), arr(b_), lr,
+                                     arr(ws["part"]), arr(ws["tot"]), stream=stream)
+            else:
+                gpu.quadratic_predictor_update(*(arr(t) for t in flat), arr(P_),
+                                               arr(P2.detach().view(N)), arr(b_), lr,
+                                               arr(ws["part"]), arr(ws["tot"]), stream=stream)
         tot = ws["tot"]
-    _mark_written(P, b)
+    _mark_written(*(t for t in (P, b, P2) if t is not None))
     return PredictorStats(tot[0], tot[1])
 
 

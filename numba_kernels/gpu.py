@@ -203,6 +203,68 @@ def kernels(tpb: int = TPB) -> dict:
             part[cuda.blockIdx.x, 1] = sh[1, 0]
 
     @cuda.jit
+    def quadratic(h, T, P, P2, b, eta, part):
+        """MT-2's quadratic predictor step (reference.quadratic_predictor_update_reference),
+        one thread per unit, in place on P, P2 and b; grid, passes and ``part`` as
+        ``predictor``'s."""
+        tx = cuda.threadIdx.x
+        sh = cuda.shared.array((2, tpb), float64)
+        B, N = h.shape
+        s_r = s_t = 0.0
+        for j in range(cuda.blockIdx.x * tpb + tx, N, cuda.gridDim.x * tpb):
+            p = float64(P[j])
+            p2 = float64(P2[j])
+            c0 = float64(b[j])
+            sum_h = sum_q = sum_r = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                qv = hv * hv
+                sum_h += hv
+                sum_q += qv
+                sum_r += float64(T[e, j]) - (p * hv + p2 * qv + c0)
+            mh, mq, mr = sum_h / B, sum_q / B, sum_r / B
+            a = c = d = u = v = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                tv = float64(T[e, j])
+                qv = hv * hv
+                r = tv - (p * hv + p2 * qv + c0)
+                hc = hv - mh
+                qc = qv - mq
+                rc = r - mr
+                a += hc * hc
+                c += hc * qc
+                d += qc * qc
+                u += rc * hc
+                v += rc * qc
+                s_r += r * r
+                s_t += tv * tv
+            a = a / B + 1e-12
+            c = c / B
+            d = d / B + 1e-12
+            u = u / B
+            v = v / B
+            det = a * d - c * c
+            if not det > 1e-24 * a * d:  # a degenerate unit: no step
+                det = math.inf
+            P[j] = p + eta * (d * u - c * v) / det
+            P2[j] = p2 + eta * (a * v - c * u) / det
+            b[j] = c0 + eta * mr
+        sh[0, tx] = s_r
+        sh[1, tx] = s_t
+        cuda.syncthreads()
+        stride = tpb // 2
+        while stride > 0:  # the same fixed-order tree as mixed_rows
+            if tx < stride:
+                sh[0, tx] += sh[0, tx + stride]
+                sh[1, tx] += sh[1, tx + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tx == 0:
+            part[cuda.blockIdx.x, 0] = sh[0, 0]
+            part[cuda.blockIdx.x, 1] = sh[1, 0]
+
+    @cuda.jit
     def sum_part(part, tot):
         """Adds part[:, q] in block order into tot[q]; one block, thread q per column."""
         q = cuda.threadIdx.x
@@ -403,8 +465,9 @@ def kernels(tpb: int = TPB) -> dict:
                 masked[e, ch, j] = i if on else zero
 
     return dict(mixed_rows=mixed_rows, mixed_finish=mixed_finish, matched_scale=matched_scale,
-                predictor=predictor, sum_part=sum_part, add=add, local_rows=local_rows,
-                local_sums=local_sums, local_combine=local_combine, local_write=local_write)
+                predictor=predictor, quadratic=quadratic, sum_part=sum_part, add=add,
+                local_rows=local_rows, local_sums=local_sums, local_combine=local_combine,
+                local_write=local_write)
 
 
 def mixed_workspace_shapes(B: int, N: int, tpb: int = TPB) -> dict:
@@ -466,6 +529,14 @@ def predictor_update(h, T, P, b, eta, part, tot, stream=0, tpb=TPB):
     k["sum_part"][1, 32, stream](part, tot)
 
 
+def quadratic_predictor_update(h, T, P, P2, b, eta, part, tot, stream=0, tpb=TPB):
+    """Launches MT-2's quadratic predictor step (in place on P, P2, b); fills tot =
+    [ss residual, ss T]. Workspaces as ``predictor_update``'s."""
+    k = kernels(tpb)
+    k["quadratic"][part.shape[0], tpb, stream](h, T, P, P2, b, float(eta), part)
+    k["sum_part"][1, 32, stream](part, tot)
+
+
 def aux_add(dst, src, stream=0, tpb=TPB):
     """Launches dst += src (flat arrays)."""
     blocks = max(1, min(4096, -(-dst.size // tpb)))
@@ -484,6 +555,7 @@ def ptx_signatures(dtype: str) -> dict:
         mixed_finish=(f64[:, :, ::1], types.int64, f64[:, ::1], unit, f64[::1]),
         matched_scale=(pop, pop, unit, unit, pop),
         predictor=(pop, pop, unit, unit, f64, f64[:, ::1]),
+        quadratic=(pop, pop, unit, unit, unit, f64, f64[:, ::1]),
         sum_part=(f64[:, ::1], f64[::1]),
         add=(unit, unit),
         local_rows=(pop, pop, unit, unit, unit, unit, pop, pop, f, types.int64, f64[:, ::1],

@@ -108,6 +108,27 @@ def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:
     return PredictorStats(_ss(r), _ss(T64))  # squares in float64, as the kernels square them
 
 
+def quadratic_predictor_update_reference(h, T, P, P2, b, eta: float) -> PredictorStats:
+    """MT-2's per-unit quadratic predictor P h + P2 h^2 + b: one normalised-LMS step over
+    the two centred features x = (h, h^2), in place on P, P2 and b:
+    W += eta S^-1 mean_b(r x), S the features' 2 x 2 batch covariance per unit (+1e-12
+    on its diagonal; a unit whose S is singular to rounding takes no step),
+    b += eta mean_b(r), r = T - (P h + P2 h^2 + b) before the step. Float64 reductions,
+    rounded to the parameters' dtype once; returns the sums of squares of r and T."""
+    h64, T64 = h.double(), T.double()
+    q = h64.square()
+    r = T64 - (P.double() * h64 + P2.double() * q + b.double())
+    hc, qc, rc = h64 - h64.mean(0), q - q.mean(0), r - r.mean(0)
+    a, c, d = (hc * hc).mean(0) + 1e-12, (hc * qc).mean(0), (qc * qc).mean(0) + 1e-12
+    u, v = (rc * hc).mean(0), (rc * qc).mean(0)
+    det = a * d - c * c
+    det = torch.where(det > 1e-24 * a * d, det, torch.inf)  # a degenerate unit: no step
+    P.copy_(P.double() + eta * (d * u - c * v) / det)
+    P2.copy_(P2.double() + eta * (a * v - c * u) / det)
+    b.copy_(b.double() + eta * r.mean(0))
+    return PredictorStats(_ss(r), _ss(T64))
+
+
 def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst += src`` in place."""
     return dst.add_(src)

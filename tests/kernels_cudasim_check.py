@@ -182,6 +182,29 @@ def check_predictor(shape, dtype, seed=1):
     print("ok", name)
 
 
+def check_quadratic_predictor(shape, dtype, seed=1):
+    """MT-2's quadratic predictor step against its reference."""
+    t = data(shape, dtype, seed)
+    T = t["I"]  # any (B, *U) tensor serves as the traffic to predict
+    # h spread over [0.1, 1.1] (not ReLU's zeros): the 2 x 2 solve is well conditioned,
+    # so the two reduction orders agree to rounding
+    t["h"] = (0.1 + torch.rand(shape, generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float64)).to(T)
+    P_ref, Q_ref, b_ref = t["P"].clone(), 0.5 * t["C"], t["b"].clone()
+    B, N = shape[0], int(np.prod(shape[1:]))
+    P, Q, b = (x.reshape(N).numpy().copy() for x in (P_ref, Q_ref, b_ref))
+    stats = reference.quadratic_predictor_update_reference(t["h"], T, P_ref, Q_ref, b_ref, 0.3)
+    shapes = gpu.predictor_workspace_shapes(N, TPB)
+    part, tot = np.zeros(shapes["part"]), np.zeros(shapes["tot"])
+    gpu.quadratic_predictor_update(t["h"].reshape(B, N).numpy(), T.reshape(B, N).numpy(), P,
+                                   Q, b, 0.3, part, tot, tpb=TPB)
+    name = f"quadratic predictor {shape} {dtype.__name__}"
+    for label, got, want in (("P", P, P_ref), ("P2", Q, Q_ref), ("b", b, b_ref)):
+        close(f"{name} {label}", got, want.reshape(N).numpy(), TOL[dtype] * 10)
+    close(name + " sums of squares", tot, [float(x) for x in stats], TOL[dtype])
+    print("ok", name)
+
+
 def check_add(n, dtype, seed=2):
     rng = np.random.default_rng(seed)
     dst, src = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
@@ -200,6 +223,7 @@ def main():
             for rule in ("raw", "matched", "innovation"):
                 check_mixed(shape, dtype, rule)
             check_predictor(shape, dtype)
+            check_quadratic_predictor(shape, dtype)
         check_add(37, dtype)
     # matched with an all-zero raw row: that example's signal is zero, not NaN
     check_zero_row()

@@ -35,7 +35,7 @@ def test_cuda_kernels_on_the_simulator_match_the_reference():
     # every kernel family ran, in both dtypes
     for what in ("mixed raw", "mixed matched", "mixed innovation", "predictor", "aux_add",
                  "local raw", "local matched", "local innovation", "local quadratic",
-                 "local given"):
+                 "local given", "quadratic predictor"):
         for dtype in ("float32", "float64"):
             assert any(line.startswith(f"ok {what}") and dtype in line
                        for line in proc.stdout.splitlines()), (what, dtype)

@@ -257,7 +257,8 @@ class UnitQuadratic(UnitAffine):
     """P1 h + P2 h^2 + b per unit, learned from instruction-off (h, T) of its own unit by
     normalised LMS over the two centred features x = (h, h^2): W += eta S^-1 mean_b(r x),
     S the features' 2 x 2 batch covariance per unit (+1e-12 on its diagonal),
-    b += eta mean_b(r). Float64 reductions, rounded to the parameters' dtype once."""
+    b += eta mean_b(r) (``numba_kernels.quadratic_predictor_update_reference`` is the
+    spec). Float64 reductions, rounded to the parameters' dtype once."""
 
     # The prediction's (P2 h) h beyond the affine form: a multiply and an add per unit.
     prediction_ops = 2
@@ -278,17 +279,8 @@ class UnitQuadratic(UnitAffine):
         return (self.P[i] * factor + (self.P2[i] * factor) * h) * h + self.b[i] * factor
 
     def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
-        h64, T64 = h.double(), T.double()
-        q = h64.square()
-        r = T64 - (self.P[i].double() * h64 + self.P2[i].double() * q + self.b[i].double())
-        hc, qc, rc = h64 - h64.mean(0), q - q.mean(0), r - r.mean(0)
-        a, c, d = (hc * hc).mean(0) + 1e-12, (hc * qc).mean(0), (qc * qc).mean(0) + 1e-12
-        u, v = (rc * hc).mean(0), (rc * qc).mean(0)
-        det = a * d - c * c
-        det = torch.where(det > 1e-24 * a * d, det, torch.inf)  # a degenerate unit: no step
-        self.P[i].copy_(self.P[i].double() + eta * (d * u - c * v) / det)
-        self.P2[i].copy_(self.P2[i].double() + eta * (a * v - c * u) / det)
-        self.b[i].copy_(self.b[i].double() + eta * r.mean(0))
+        numba_kernels.predictor_update(h.contiguous(), T.contiguous(), self.P[i], self.b[i],
+                                       eta, P2=self.P2[i])
 
     def state(self) -> dict:
         return {**super().state(), "P2": _cloned(self.P2)}
