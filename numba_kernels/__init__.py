@@ -15,7 +15,10 @@ a per-unit predictor), and the CfC trainer's gradient merge (DESIGN section 7):
   the ReLU mask, the residual scale and the batch norm's backward (per-channel
   reductions, then the writes), plus the shortcut's masked instruction
   (kp_traffic's hot path: it replaces autograd's ReLU, scale and norm backward,
-  so the traffic adds only element-wise arithmetic, not memory passes);
+  so the traffic adds only element-wise arithmetic, not memory passes); with
+  ``P2`` for MT-2's per-unit quadratic predictor, and as ``mixed_traffic_local(I,
+  h, o, T, prediction, ...)`` for any traffic model and predictor, their T and
+  prediction formed beforehand (a channel map is a matmul, left to torch);
 - ``aux_add(dst, src)``: ``dst += src`` in place.
 
 Each exists as a CUDA kernel (``gpu.py``: numba-cuda, zero-copy on torch CUDA
@@ -39,6 +42,7 @@ from .dispatch import (
                         aux_add,
                         mixed_apical,
                         mixed_local,
+                        mixed_traffic_local,
                         predictor_update,
                         start_pool,
 )
@@ -50,6 +54,7 @@ from .reference import (
                         mixed_traffic_local_reference,
                         mixed_traffic_reference,
                         predictor_update_reference,
+                        quadratic_predictor_update_reference,
 )
 from .results import MixedApical, MixedLocal, PredictorStats
 
@@ -67,9 +72,11 @@ __all__ = [
     "mixed_apical_reference",
     "mixed_local",
     "mixed_local_reference",
+    "mixed_traffic_local",
     "mixed_traffic_local_reference",
     "mixed_traffic_reference",
     "predictor_update",
     "predictor_update_reference",
+    "quadratic_predictor_update_reference",
     "start_pool",
 ]

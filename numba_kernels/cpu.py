@@ -62,6 +62,30 @@ def _signals(i, hv, gc, d, bb):
     return t, r, n
 
 
+# MT-2's forms of the signals in ``mixed_local`` (a literal per compiled kernel):
+# UNIT, the seed's per-unit affine predictor above; QUAD, the per-unit quadratic one
+# (P h + P2 h^2 + b); GIVEN, any traffic model and predictor, their T and prediction
+# formed beforehand (in torch) and read per element.
+UNIT, QUAD, GIVEN = 0, 1, 2
+FORM_CODES = {"unit": UNIT, "quadratic": QUAD, "given": GIVEN}
+
+
+@njit(cache=True, inline="always")
+def _quadratic(i, hv, gc, d, q, bb):
+    # d = gC - P, q = P2: the correction ((gC - P) - P2 h) h - b, as the reference forms it
+    # (exactly zero under an exact predictor, as in _signals).
+    t = gc * hv
+    return t, i + t, i + ((d - q * hv) * hv - bb)
+
+
+@njit(cache=True, inline="always")
+def _given(i, tx, px, sg):
+    # T and the prediction given, in the reference's units; sg = -s turns them into the
+    # gradient convention (negation is exact: the reference's bits).
+    t = sg * tx
+    return t, i + t, i + sg * (tx - px)
+
+
 def _make_chunk(rule):
     # One chunk of one example row (1-D slices): writes the row's ``out`` (innovation N,
     # or raw R, which matched rescales in a second pass) and returns the row's sums of
@@ -307,6 +331,92 @@ def predictor_update(h, T, P, b, eta: float):
     return _sum_rows(part)
 
 
+@njit(cache=True)
+def _quadratic_chunk(h, T, P, P2, b, eta, j0, j1, part, c):
+    # The quadratic predictor's step on units j0:j1 (reference.quadratic_predictor_update_
+    # reference): per-unit float64 accumulators down the batch, as _predictor_chunk, in
+    # the reference's order of operations.
+    B = h.shape[0]
+    W = j1 - j0
+    p = P[j0:j1].astype(np.float64)
+    p2 = P2[j0:j1].astype(np.float64)
+    q0 = b[j0:j1].astype(np.float64)
+    sh = np.zeros(W)
+    sq = np.zeros(W)
+    sr = np.zeros(W)
+    for e in range(B):
+        for k in range(W):
+            hv = np.float64(h[e, j0 + k])
+            qv = hv * hv
+            sh[k] += hv
+            sq[k] += qv
+            sr[k] += np.float64(T[e, j0 + k]) - (p[k] * hv + p2[k] * qv + q0[k])
+    mh, mq, mr = sh / B, sq / B, sr / B
+    a = np.zeros(W)
+    cc = np.zeros(W)
+    d = np.zeros(W)
+    u = np.zeros(W)
+    v = np.zeros(W)
+    ssr = np.zeros(W)
+    sst = np.zeros(W)
+    for e in range(B):
+        for k in range(W):
+            hv = np.float64(h[e, j0 + k])
+            tv = np.float64(T[e, j0 + k])
+            qv = hv * hv
+            r = tv - (p[k] * hv + p2[k] * qv + q0[k])
+            hc, qc, rc = hv - mh[k], qv - mq[k], r - mr[k]
+            a[k] += hc * hc
+            cc[k] += hc * qc
+            d[k] += qc * qc
+            u[k] += rc * hc
+            v[k] += rc * qc
+            ssr[k] += r * r
+            sst[k] += tv * tv
+    for k in range(W):
+        ak, ck, dk = a[k] / B + 1e-12, cc[k] / B, d[k] / B + 1e-12
+        uk, vk = u[k] / B, v[k] / B
+        det = ak * dk - ck * ck
+        if not det > 1e-24 * ak * dk:  # a degenerate unit: no step (NaN too)
+            det = np.inf
+        P[j0 + k] = p[k] + eta * (dk * uk - ck * vk) / det
+        P2[j0 + k] = p2[k] + eta * (ak * vk - ck * uk) / det
+        b[j0 + k] = q0[k] + eta * mr[k]
+    s_r = 0.0
+    s_t = 0.0
+    for k in range(W):  # unit order: fixed
+        s_r += ssr[k]
+        s_t += sst[k]
+    part[c, 0] = s_r
+    part[c, 1] = s_t
+
+
+@njit(cache=True, parallel=True)
+def _quadratic_parallel(h, T, P, P2, b, eta, part):
+    N = h.shape[1]
+    for c in prange(part.shape[0]):
+        _quadratic_chunk(h, T, P, P2, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK),
+                         part, c)
+
+
+@njit(cache=True)
+def _quadratic_serial(h, T, P, P2, b, eta, part):
+    N = h.shape[1]
+    for c in range(part.shape[0]):
+        _quadratic_chunk(h, T, P, P2, b, eta, c * UNIT_CHUNK, min(N, (c + 1) * UNIT_CHUNK),
+                         part, c)
+
+
+def quadratic_predictor_update(h, T, P, P2, b, eta: float):
+    """MT-2's quadratic predictor step, in place on P, P2 and b (numpy arrays): launch and
+    memory contract as ``predictor_update`` (+ P2 read and written per unit)."""
+    n_chunks = max(1, -(-h.shape[1] // UNIT_CHUNK))
+    part = np.empty((n_chunks, 2))
+    kernel = _quadratic_serial if h.size < SERIAL_BELOW else _quadratic_parallel
+    kernel(h, T, P, P2, b, float(eta), part)
+    return _sum_rows(part)
+
+
 # ---- aux add --------------------------------------------------------------------------------
 
 
@@ -367,7 +477,8 @@ def _used(i, t, r, n, f, rule):
 
 
 @njit(cache=True, inline="always")
-def _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero, rule):
+def _element(I, H, O, GC, D, Bb, Q, TX, PX, sg, e, ch, j, f, scale, mu, istd, zero, rule,
+             form):
     # One element of slab (e, ch) as both passes see it: the instruction, the signals,
     # the ReLU mask, the masked scaled used signal m and the normalised layer output
     # xhat. A slab is one example's slice of one channel, contiguous, length S. The
@@ -375,8 +486,14 @@ def _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero, rule):
     # S = 64 (a ResNet-20's last stage) building ten views per slab cost more than
     # the slab's arithmetic. Inlined in numba's IR, so the loop's fastmath flags
     # (``reassoc``, ``contract``, as in mixed_apical's chunk loops) apply to it.
+    # ``form`` (a literal) picks the signals' source; the others' arrays are never read.
     i, hv = I[e, ch, j], H[e, ch, j]
-    t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
+    if form == GIVEN:
+        t, r, n = _given(i, TX[e, ch, j], PX[e, ch, j], sg)
+    elif form == QUAD:
+        t, r, n = _quadratic(i, hv, GC[ch, j], D[ch, j], Q[ch, j], Bb[ch, j])
+    else:
+        t, r, n = _signals(i, hv, GC[ch, j], D[ch, j], Bb[ch, j])
     on = hv > zero
     m = scale * _used(i, t, r, n, f, rule) if on else zero
     xh = (O[e, ch, j] - mu) * istd
@@ -384,13 +501,13 @@ def _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd, zero, rule):
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _slab_sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero, rule):
+def _slab_sums(I, H, O, GC, D, Bb, Q, TX, PX, sg, e, ch, f, scale, mu, istd, zero, rule, form):
     # Pass 1 over slab (e, ch): the norm's reductions of the masked used signal m and
     # instruction q.
     s_m = s_mx = s_q = s_qx = zero
     for j in range(I.shape[2]):
-        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
-                                         zero, rule)
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, Q, TX, PX, sg, e, ch, j, f,
+                                         scale, mu, istd, zero, rule, form)
         q = scale * i if on else zero
         s_m += m
         s_mx += m * xh
@@ -400,8 +517,8 @@ def _slab_sums(I, H, O, GC, D, Bb, e, ch, f, scale, mu, istd, zero, rule):
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd, kac,
-                zero, rule, want_inst, want_masked):
+def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, Q, TX, PX, sg, e, ch, f, scale, mu,
+                istd, kac, zero, rule, want_inst, want_masked, form):
     # Pass 2 over slab (e, ch), with the signals' sums of squares: this pass waits on
     # its stores, pass 1 on its reductions, so the squares ride here nearly free.
     # out = k (m - mean m - xhat mean(m xhat)); inst the same for q; masked = I where
@@ -410,8 +527,8 @@ def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd
     k, a, c, aq, cq = kac[ch, 0], kac[ch, 1], kac[ch, 2], kac[ch, 3], kac[ch, 4]
     s_i = s_t = s_r = s_n = zero
     for j in range(I.shape[2]):
-        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, e, ch, j, f, scale, mu, istd,
-                                         zero, rule)
+        i, t, r, n, on, m, xh = _element(I, H, O, GC, D, Bb, Q, TX, PX, sg, e, ch, j, f,
+                                         scale, mu, istd, zero, rule, form)
         OUT[e, ch, j] = k * (m - a - xh * c)
         if want_inst:
             q = scale * i if on else zero
@@ -426,8 +543,8 @@ def _slab_write(I, H, O, OUT, INST, MASKED, GC, D, Bb, e, ch, f, scale, mu, istd
 
 
 @njit(cache=True)
-def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                   has_norm, e, part, zero, rule):
+def _example_write(I, h, o, out, inst, masked, gC, d, b, p2, tx, px, sg, fac, scale, mean, istd,
+                   kac, has_norm, e, part, zero, rule, form):
     # Example e, channels in memory order: writes, and the slabs' sums of squares into
     # part[e] (float64).
     f = fac[e]
@@ -436,29 +553,31 @@ def _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd,
         sd = istd[ch] if has_norm else zero
         # the set of outputs (an absent one has S = 0) picks the compiled loop
         if inst.shape[2] and masked.shape[2]:
-            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
-                            zero, rule, True, True)
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, p2, tx, px, sg, e, ch, f,
+                            scale, mu, sd, kac, zero, rule, True, True, form)
         elif inst.shape[2]:
-            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
-                            zero, rule, True, False)
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, p2, tx, px, sg, e, ch, f,
+                            scale, mu, sd, kac, zero, rule, True, False, form)
         elif masked.shape[2]:
-            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
-                            zero, rule, False, True)
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, p2, tx, px, sg, e, ch, f,
+                            scale, mu, sd, kac, zero, rule, False, True, form)
         else:
-            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, e, ch, f, scale, mu, sd, kac,
-                            zero, rule, False, False)
+            x = _slab_write(I, h, o, out, inst, masked, gC, d, b, p2, tx, px, sg, e, ch, f,
+                            scale, mu, sd, kac, zero, rule, False, False, form)
         for q in range(4):
             part[e, ch, q] = x[q]
 
 
 @njit(cache=True)
-def _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
+def _example_sums(I, h, o, gC, d, b, p2, tx, px, sg, fac, scale, mean, istd, has_norm, e, part,
+                  zero, rule, form):
     # Example e, channels in memory order: its per-channel slab sums (input dtype) into
     # part[e] (float64). A task per example, in memory order: streaming reads.
     for ch in range(I.shape[1]):
         mu = mean[ch] if has_norm else zero
         sd = istd[ch] if has_norm else zero
-        x = _slab_sums(I, h, o, gC, d, b, e, ch, fac[e], scale, mu, sd, zero, rule)
+        x = _slab_sums(I, h, o, gC, d, b, p2, tx, px, sg, e, ch, fac[e], scale, mu, sd, zero,
+                       rule, form)
         for q in range(4):
             part[e, ch, L_M + q] = x[q]
 
@@ -492,87 +611,112 @@ def _factors(chan, gamma, istd, has_norm, count, kac):
 
 
 @njit(cache=True)
-def _sums_by_rule(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, rule):
+def _sums_by_rule(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm, e, part,
+                  zero, rule, form):
     # The rule, a runtime code in the kernels, as a literal for the compiled loops:
-    # one branch per example.
+    # one branch per example. (``form`` arrives as a literal already: see _make_local.)
     if rule == RAW:
-        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, RAW)
+        _example_sums(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm, e,
+                      part, zero, RAW, form)
     elif rule == INNOVATION:
-        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero,
-                      INNOVATION)
+        _example_sums(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm, e,
+                      part, zero, INNOVATION, form)
     elif rule == MATCHED:
-        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, MATCHED)
+        _example_sums(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm, e,
+                      part, zero, MATCHED, form)
     else:
-        _example_sums(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, e, part, zero, NONE)
+        _example_sums(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm, e,
+                      part, zero, NONE, form)
 
 
 @njit(cache=True)
-def _write_by_rule(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm, e,
-                   part, zero, rule):
+def _write_by_rule(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean, istd,
+                   kac, has_norm, e, part, zero, rule, form):
     if rule == RAW:
-        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                       e, part, zero, RAW)
+        _example_write(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean,
+                       istd, kac, has_norm, e, part, zero, RAW, form)
     elif rule == INNOVATION:
-        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                       e, part, zero, INNOVATION)
+        _example_write(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean,
+                       istd, kac, has_norm, e, part, zero, INNOVATION, form)
     elif rule == MATCHED:
-        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                       e, part, zero, MATCHED)
+        _example_write(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean,
+                       istd, kac, has_norm, e, part, zero, MATCHED, form)
     else:
-        _example_write(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac, has_norm,
-                       e, part, zero, NONE)
+        _example_write(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean,
+                       istd, kac, has_norm, e, part, zero, NONE, form)
 
 
-def _make_local(rows_of, parallel):
-    # The serial and the parallel kernel: one body, every rule (a branch per example,
-    # not per element). The per-example functions are compiled apart, once per rule,
-    # and shared by the two kernels: numba compiles them once (about 20 s on 2 slow
-    # cores for the four rules), the parallel kernel's parfor shell in about 10 more.
-    # ``rows_of`` is a closure value, not only the decorator's flag, so the two have
-    # two cache entries (see _make_mixed).
+def _make_local(rows_of, parallel, form):
+    # The serial and the parallel kernel of one form: one body, every rule (a branch per
+    # example, not per element). The per-example functions are compiled apart, once per
+    # rule and form, and shared by the two kernels: numba compiles them once (about 20 s
+    # on 2 slow cores for the four rules of a form, on its first call), the parallel
+    # kernel's parfor shell in about 10 more. ``rows_of`` and ``form`` are closure
+    # values, not only the decorator's flag, so each kernel has its own cache entry (see
+    # _make_mixed), and ``form`` reaches the callees as a literal.
     @njit(cache=True, parallel=parallel)
-    def kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma,
-               has_norm, chan, zero, rule):
+    def kernel(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale, mean, istd,
+               gamma, has_norm, chan, zero, rule):
         B, Ch = I.shape[0], I.shape[1]
         part = np.empty((B, Ch, L_SUMS))
         # e as int64 in both kernels: prange's index is unsigned, and the callees would
         # be compiled a second time for it
         for e in rows_of(B):
-            _sums_by_rule(I, h, o, gC, d, b, fac, scale, mean, istd, has_norm, np.int64(e),
-                          part, zero, rule)
+            _sums_by_rule(I, h, o, gC, d, b, q, tx, px, sg, fac, scale, mean, istd, has_norm,
+                          np.int64(e), part, zero, rule, form)
         _combine(part, L_M, L_SUMS, chan)
         kac = np.empty((Ch, 5), dtype=I.dtype)
         _factors(chan, gamma, istd, has_norm, B * I.shape[2], kac)
         for e in rows_of(B):
-            _write_by_rule(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, kac,
-                           has_norm, np.int64(e), part, zero, rule)
+            _write_by_rule(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sg, fac, scale,
+                           mean, istd, kac, has_norm, np.int64(e), part, zero, rule, form)
         _combine(part, 0, L_M, chan)
     return kernel
 
 
-_LOCAL = (_make_local(range, False), _make_local(prange, True))  # (serial, parallel)
+# _LOCAL[form] = (serial, parallel)
+_LOCAL = tuple((_make_local(range, False, f), _make_local(prange, True, f))
+               for f in (UNIT, QUAD, GIVEN))
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _norm_row(i_, h_, gC, d, b, zero):
+def _norm_row(i_, h_, gC, d, b, q, tx, px, sg, zero, form):
     # One example's sums of squares of raw and innovation (matched's first pass).
     s_r = s_n = zero
     for j in range(i_.size):
-        t, r, n = _signals(i_[j], h_[j], gC[j], d[j], b[j])
+        if form == GIVEN:
+            t, r, n = _given(i_[j], tx[j], px[j], sg)
+        elif form == QUAD:
+            t, r, n = _quadratic(i_[j], h_[j], gC[j], d[j], q[j], b[j])
+        else:
+            t, r, n = _signals(i_[j], h_[j], gC[j], d[j], b[j])
         s_r += r * r
         s_n += n * n
     return s_r, s_n
 
 
+@njit(cache=True)
+def _norm_chunk(I, h, gC, d, b, q, tx, px, sg, e, j0, j1, zero, form):
+    # The form, a runtime code here, as a literal for the compiled loop.
+    if form == GIVEN:
+        return _norm_row(I[e, j0:j1], h[e, j0:j1], gC, d, b, q, tx[e, j0:j1], px[e, j0:j1], sg,
+                         zero, GIVEN)
+    if form == QUAD:
+        return _norm_row(I[e, j0:j1], h[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], q[j0:j1],
+                         tx[e, 0:0], px[e, 0:0], sg, zero, QUAD)
+    return _norm_row(I[e, j0:j1], h[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], q, tx[e, 0:0],
+                     px[e, 0:0], sg, zero, UNIT)
+
+
 @njit(cache=True, parallel=True)
-def _matched_rows(I, h, gC, d, b, rows, fac, zero):
+def _matched_rows(I, h, gC, d, b, q, tx, px, sg, rows, fac, zero, form):
     # Per example: ||R_e||^2 and ||N_e||^2 (chunks of CHUNK in order, float64), the scale.
     B, N = I.shape
     for e in prange(B):
         s_r = s_n = 0.0
         for j0 in range(0, N, CHUNK):
             j1 = min(j0 + CHUNK, N)
-            x = _norm_row(I[e, j0:j1], h[e, j0:j1], gC[j0:j1], d[j0:j1], b[j0:j1], zero)
+            x = _norm_chunk(I, h, gC, d, b, q, tx, px, sg, np.int64(e), j0, j1, zero, form)
             s_r += np.float64(x[0])
             s_n += np.float64(x[1])
         rows[e, 0] = s_r
@@ -582,43 +726,58 @@ def _matched_rows(I, h, gC, d, b, rows, fac, zero):
 
 
 def mixed_local(I, h, o, out, inst, masked, C, g, P, b, rule: int, scale, mean, istd,
-                gamma):
+                gamma, P2=None, T=None, prediction=None, sg=None):
     """A population's backward step to the output o of the layer that made it (numpy).
 
     I, h, o, out: (B, Ch, S); ``inst``, ``masked``: (B, Ch, S), or (B, Ch, 0) when not
     wanted; C, P, b: (Ch, S); mean, istd, gamma: (Ch,) or None (no norm); g, scale:
     scalars of the input dtype. out = L(used), inst = L(I), masked = I where h > 0,
-    with L the ReLU mask, ``scale`` and the norm's backward.
+    with L the ReLU mask, ``scale`` and the norm's backward. MT-2: ``P2`` (Ch, S), the
+    quadratic predictor's term (form QUAD); or ``T`` and ``prediction`` (B, Ch, S) given
+    in the reference's units with ``sg`` = -sign (form GIVEN; C, g, P, b unused).
 
     Launch: ``prange`` over examples for the norm's per-channel slab sums (each task
     reads its example in memory order), a serial per-channel combine (examples
     added in example order, float64), then ``prange`` over examples for the writes,
     which form the sums of squares on the way (combined the same way); matched first
     runs a ``prange`` over examples for the per-example norms. Memory contract:
-    reads I, h, o twice; writes out, and inst and masked when wanted (not in place):
-    (7 + wanted outputs) * itemsize bytes per element, +2 for matched's first pass;
-    C, P, b read once per slab. Returns float64 (Ch, 8) per-channel sums [ss I, ss T,
-    ss R, ss N, sum m, sum m xhat, sum q, sum q xhat] and, for matched, the
-    per-example rows (B, 2) [ss R, ss N], else None.
+    reads I, h, o twice (GIVEN: T and the prediction too); writes out, and inst and
+    masked when wanted (not in place): (7 + wanted outputs) * itemsize bytes per
+    element (GIVEN: + 4), +2 for matched's first pass (GIVEN: + 4); C, P, b (P2) read
+    once per slab. Returns float64 (Ch, 8) per-channel sums [ss I, ss T, ss R, ss N,
+    sum m, sum m xhat, sum q, sum q xhat] and, for matched, the per-example rows (B, 2)
+    [ss R, ss N], else None.
     """
     B, Ch, S = I.shape
-    gC, d = _units(C, g, P)
+    dt = I.dtype
     # Made here, not taken from _units: a float32 scalar returned to Python comes back
     # as a Python float, and a float64 zero would turn every loop into float64 arithmetic.
-    zero = I.dtype.type(0)
-    gC, d = gC.reshape(Ch, S), d.reshape(Ch, S)
+    zero = dt.type(0)
+    none_unit, none_pop = np.empty((Ch, 0), dtype=dt), np.empty((B, Ch, 0), dtype=dt)
+    if T is not None:
+        form, gC = GIVEN, none_unit
+        d = b = q = gC
+        tx, px, sgn = T, prediction, dt.type(sg)
+    else:
+        form = UNIT if P2 is None else QUAD
+        gC, d = _units(C, g, P)
+        gC, d = gC.reshape(Ch, S), d.reshape(Ch, S)
+        q = none_unit if P2 is None else P2
+        tx = px = none_pop
+        sgn = zero
     rows = None
-    fac = np.ones(B, dtype=I.dtype)
+    fac = np.ones(B, dtype=dt)
     if rule == MATCHED:
         rows = np.empty((B, 2))
-        _matched_rows(I.reshape(B, Ch * S), h.reshape(B, Ch * S), gC.reshape(-1),
-                      d.reshape(-1), b.reshape(-1), rows, fac, zero)
+        _matched_rows(I.reshape(B, -1), h.reshape(B, -1), gC.reshape(-1), d.reshape(-1),
+                      b.reshape(-1), q.reshape(-1), tx.reshape(B, -1), px.reshape(B, -1), sgn,
+                      rows, fac, zero, form)
     has_norm = mean is not None
     if not has_norm:
-        mean = istd = gamma = np.zeros(1, dtype=I.dtype)
+        mean = istd = gamma = np.zeros(1, dtype=dt)
         o = h
     chan = np.empty((Ch, L_SUMS))
-    kernel = _LOCAL[0 if I.size < SERIAL_BELOW else 1]
-    kernel(I, h, o, out, inst, masked, gC, d, b, fac, scale, mean, istd, gamma, has_norm,
-           chan, zero, rule)
+    kernel = _LOCAL[form][0 if I.size < SERIAL_BELOW else 1]
+    kernel(I, h, o, out, inst, masked, gC, d, b, q, tx, px, sgn, fac, scale, mean, istd, gamma,
+           has_norm, chan, zero, rule)
     return chan, rows

@@ -51,7 +51,7 @@ def _layout(kernel: str, backend: str, tensors: dict) -> tuple | None:
         return None
 
 
-_OPTIONAL = ("out", "mean", "invstd", "gamma")
+_OPTIONAL = ("out", "mean", "invstd", "gamma", "P2")
 
 
 def _dense(tensors: dict) -> None:
@@ -291,7 +291,7 @@ def _local_squares(chan, rows, code: int) -> tuple:
 
 def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  # noqa: E741
                 gamma=None, scale: float = 1.0, instruction: bool = False,
-                masked: bool = False, sign: str = "hebbian", out=None,
+                masked: bool = False, sign: str = "hebbian", out=None, P2=None,
                 backend: str = "auto") -> MixedLocal:
     """One population's backward step, from h to the output o of the layer that made it
     (``reference.mixed_local_reference``).
@@ -303,8 +303,58 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     channel, weight ``gamma``, None: 1): ``.grad`` = L(U), ``.dgamma``, ``.dbeta`` the
     norm's parameter gradients from U; with ``instruction`` also ``.instruction_grad``
     = L(I) (clean transport); with ``masked`` also ``.masked`` = I where h > 0 (the
-    shortcut's). Shapes: I, h, o, out (B, Ch, *S); C, P, b (Ch, *S).
+    shortcut's). Shapes: I, h, o, out (B, Ch, *S); C, P, b (Ch, *S). ``P2`` (Ch, *S):
+    MT-2's per-unit quadratic predictor P h + P2 h^2 + b (None: the seed's affine one).
     """
+    _local_checks(rule, o, mean, invstd, gamma)
+    o = h if mean is None else o
+    tensors = dict(h=h, I=I, o=o, C=C, P=P, b=b, P2=P2, mean=mean, invstd=invstd, gamma=gamma,
+                   out=out)
+    form = _checked_form("mixed_local", backend, tensors, population=("h", "I", "o", "out"),
+                         per_unit=("C", "P", "b", "P2"), channel=("mean", "invstd", "gamma"),
+                         in_place=("out",))
+    _untracked("out", out)
+    g, sc = _number("gain", gain, h.dtype), _number("scale", scale, h.dtype)
+    if mean is not None and gamma is None:
+        gamma = torch.ones_like(mean)
+    if form == "torch":
+        return _written(out, reference.mixed_local_reference(
+            I.detach(), h.detach(), o.detach(), C, g, P, b, rule, mean, invstd, gamma, sc,
+            instruction, masked, sign, P2))
+    return _local_kernel(form, I, h, o, rule, mean, invstd, gamma, sc, instruction, masked,
+                         sign, out, dict(C=C, g=g, P=P, b=b, P2=P2))
+
+
+def mixed_traffic_local(I, h, o, T, prediction, rule: str, *, mean=None,  # noqa: E741
+                        invstd=None, gamma=None, scale: float = 1.0,
+                        instruction: bool = False, masked: bool = False,
+                        sign: str = "hebbian", out=None, backend: str = "auto") -> MixedLocal:
+    """``mixed_local`` for any traffic model and predictor (MT-2): the traffic T and the
+    predictor's prediction are given as (B, Ch, *S) tensors, in I's units
+    (``reference.mixed_traffic_local_reference``): R_d = d + s T, N_d = d + s (T -
+    prediction). One fused pass as ``mixed_local``'s, which also reads T and the
+    prediction (twice each)."""
+    _local_checks(rule, o, mean, invstd, gamma)
+    o = h if mean is None else o
+    tensors = dict(h=h, I=I, o=o, T=T, prediction=prediction, mean=mean, invstd=invstd,
+                   gamma=gamma, out=out)
+    form = _checked_form("mixed_traffic_local", backend, tensors,
+                         population=("h", "I", "o", "T", "prediction", "out"),
+                         channel=("mean", "invstd", "gamma"), in_place=("out",))
+    _untracked("out", out)
+    sc = _number("scale", scale, h.dtype)
+    if mean is not None and gamma is None:
+        gamma = torch.ones_like(mean)
+    if form == "torch":
+        return _written(out, reference.mixed_traffic_local_reference(
+            I.detach(), h.detach(), o.detach(), T.detach(), prediction.detach(), rule, mean,
+            invstd, gamma, sc, instruction, masked, sign))
+    return _local_kernel(form, I, h, o, rule, mean, invstd, gamma, sc, instruction, masked,
+                         sign, out, dict(T=T, prediction=prediction))
+
+
+def _local_checks(rule, o, mean, invstd, gamma) -> None:
+    """The checks of the local kernels' arguments that the layout cache does not cover."""
     _rule(rule, LOCAL_RULES)
     if o is None and mean is not None:
         raise TypeError("o is None, but mean / invstd were given: the norm's backward reads "
@@ -314,58 +364,76 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
         raise ValueError("mean and invstd come together (the norm's batch statistics), and "
                          "gamma only with them; pass none of the three for a layer without "
                          "a norm")
-    o = h if mean is None else o
-    tensors = dict(h=h, I=I, o=o, C=C, P=P, b=b, mean=mean, invstd=invstd, gamma=gamma,
-                   out=out)
-    form = _checked_form("mixed_local", backend, tensors, population=("h", "I", "o", "out"),
-                         per_unit=("C", "P", "b"), channel=("mean", "invstd", "gamma"),
-                         in_place=("out",))
-    _untracked("out", out)
-    g, sc = _number("gain", gain, h.dtype), _number("scale", scale, h.dtype)
-    if mean is not None and gamma is None:
-        gamma = torch.ones_like(mean)
-    if form == "torch":
-        res = reference.mixed_local_reference(I.detach(), h.detach(), o.detach(), C, g, P, b,
-                                              rule, mean, invstd, gamma, sc, instruction,
-                                              masked, sign)
-        if out is not None:
-            with torch.no_grad():
-                out.copy_(res.grad)
-            res = res._replace(grad=out)
-        return res
+
+
+def _written(out, res: MixedLocal) -> MixedLocal:
+    """The reference's result with its grad copied into ``out`` when given."""
+    if out is not None:
+        with torch.no_grad():
+            out.copy_(res.grad)
+        res = res._replace(grad=out)
+    return res
+
+
+def _local_kernel(form, I, h, o, rule, mean, invstd, gamma, sc, instruction, masked,  # noqa: E741
+                  sign, out, source: dict) -> MixedLocal:
+    """The numba forms of ``mixed_local`` and ``mixed_traffic_local``; ``source`` holds the
+    signals' inputs: C, g, P, b (and P2) per unit, or T and the prediction per element."""
     B, Ch = h.shape[:2]
     S = h.numel() // (B * Ch)
     grad = torch.empty((B, Ch, S), dtype=h.dtype, device=h.device) if out is None else out
     extra = [torch.empty((B, Ch, S), dtype=h.dtype, device=h.device) if wanted else None
              for wanted in (instruction, masked)]
     code = cpu.LOCAL_CODES[rule]
+    given = "T" in source
+    s = sign_factor(sign)
     if form == "cpu":
         pop = [_np(t, B, Ch, S) for t in (I, h, o, grad)]
         dt = pop[0].dtype
         absent = np.empty((B, Ch, 0), dtype=dt)
-        C_, P_, b_ = (_np(t, Ch, S) for t in (C, P, b))
-        if sign_factor(sign) > 0:  # hebbian: the kernel's I + T with g, P, b negated
-            g, P_, b_ = -g, -P_, -b_
+        stats = (None,) * 3 if mean is None else (_np(t, Ch) for t in (mean, invstd, gamma))
+        if given:
+            units = (None,) * 4
+            kw = dict(T=_np(source["T"], B, Ch, S),
+                      prediction=_np(source["prediction"], B, Ch, S), sg=-s)
+        else:
+            g = source["g"]
+            C_, P_, b_ = (_np(source[k], Ch, S) for k in "CPb")
+            P2 = None if source["P2"] is None else _np(source["P2"], Ch, S)
+            if s > 0:  # hebbian: the kernel's I + T with g, P, b (and P2) negated
+                g, P_, b_ = -g, -P_, -b_
+                P2 = None if P2 is None else -P2
+            units, kw = (C_, dt.type(g), P_, b_), dict(P2=P2)
         chan, rows = cpu.mixed_local(
-            *pop, *(absent if t is None else t.numpy() for t in extra), C_, dt.type(g), P_, b_,
-            code, dt.type(sc),
-            *((None,) * 3 if mean is None else (_np(t, Ch) for t in (mean, invstd, gamma))))
+            *pop, *(absent if t is None else t.numpy() for t in extra), *units, code,
+            dt.type(sc), *stats, **kw)
         ss = torch.from_numpy(np.array(_local_squares(chan, rows, code))).unbind()
         chan = torch.from_numpy(chan)
     else:
         from . import gpu
 
-        g, P, b = _kernel_units(g, P, b, sign)
         pop = [_flat(t, B, Ch, S) for t in (I, h, o)]
-        units = [_flat(t, Ch, S) for t in (C, P, b)]
         stats = None if mean is None else [_flat(t, Ch) for t in (mean, invstd, gamma)]
         f64 = dict(dtype=torch.float64, device=h.device)
         chan, rows = torch.empty((Ch, cpu.L_SUMS), **f64), torch.empty((B, 2), **f64)
         part = torch.empty((B, Ch, cpu.L_SUMS), **f64)
         kac = torch.empty((Ch, 5), dtype=h.dtype, device=h.device)
         fac = torch.ones(B, dtype=h.dtype, device=h.device)
-        gC = units[0] * g  # as the reference rounds C * gain
-        d = gC - units[1]
+        none_unit = torch.zeros((1, 1), dtype=h.dtype, device=h.device)
+        none_pop = torch.zeros((1, 1, 1), dtype=h.dtype, device=h.device)
+        if given:
+            gC = d = b = q = none_unit
+            tx, px = (_flat(source[k], B, Ch, S) for k in ("T", "prediction"))
+            gform = gpu.GIVEN
+        else:
+            g, P, b = _kernel_units(source["g"], source["P"], source["b"], sign)
+            C, P, b = (_flat(t, Ch, S) for t in (source["C"], P, b))
+            gC = C * g  # as the reference rounds C * gain
+            d = gC - P
+            q, gform = none_unit, gpu.UNIT
+            if source["P2"] is not None:
+                q, gform = _flat(-source["P2"] if s > 0 else source["P2"], Ch, S), gpu.QUAD
+            tx = px = none_pop
         dummy = torch.zeros((1, 1, 1), dtype=h.dtype, device=h.device)
         if stats is None:
             stats = [torch.zeros(1, dtype=h.dtype, device=h.device)] * 3
@@ -374,9 +442,10 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
             arr = _device_array
             gpu.mixed_local(*(arr(t) for t in pop), arr(grad.detach().view(B, Ch, S)),
                             *(arr(dummy if t is None else t) for t in extra),
-                            instruction, masked, arr(gC), arr(d), arr(units[2]), arr(fac), code,
+                            instruction, masked, arr(gC), arr(d), arr(b), arr(fac), code,
                             dt(sc), *(arr(t) for t in stats), mean is not None, arr(chan),
-                            arr(rows), arr(part), arr(kac), stream=stream)
+                            arr(rows), arr(part), arr(kac), q=arr(q), tx=arr(tx), px=arr(px),
+                            sg=dt(-s), form=gform, stream=stream)
         ss = _local_squares(chan, rows if code == cpu.MATCHED else None, code)
     dgamma = dbeta = None
     if mean is not None:
@@ -387,7 +456,7 @@ def mixed_local(I, h, o, C, gain, P, b, rule: str, *, mean=None, invstd=None,  #
     return MixedLocal(grad.view(h.shape) if out is None else out, inst, msk, dgamma, dbeta, *ss)
 
 
-def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStats:
+def predictor_update(h, T, P, b, eta, *, P2=None, backend: str = "auto") -> PredictorStats:
     """One normalised-LMS step of the per-unit predictor, in place on P and b.
 
     h, T: (B, *U) activity and the traffic it should predict (instruction-off
@@ -395,11 +464,14 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
     P += eta * mean_b(centred r * centred h) / (var_b(h) + 1e-12) (var biased),
     b += eta * mean_b(r), both from the residual before this update; reductions in
     float64. Returns the population's sums of squares of r (before the update) and T.
+    ``P2`` (*U): MT-2's quadratic predictor P h + P2 h^2 + b, stepped over both features
+    (``reference.quadratic_predictor_update_reference``), in place on P2 too.
     """
-    form = _checked_form("predictor_update", backend, dict(h=h, T=T, P=P, b=b),
-                         population=("h", "T"), per_unit=("P", "b"), in_place=("P", "b"))
-    _untracked("P", P)
-    _untracked("b", b)
+    tensors = dict(h=h, T=T, P=P, b=b, P2=P2)
+    form = _checked_form("predictor_update", backend, tensors, population=("h", "T"),
+                         per_unit=("P", "b", "P2"), in_place=("P", "b", "P2"))
+    for name in ("P", "b", "P2"):
+        _untracked(name, tensors[name])
     lr = _number("eta", eta, h.dtype)
     if lr < 0:
         # A negative step moves P and b away from the least-squares fit: the predictor
@@ -408,11 +480,18 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
                          "rules' predictor_lr is in (0, 1]; 0 leaves P and b unchanged)")
     if form == "torch":
         with torch.no_grad():
+            if P2 is not None:
+                return reference.quadratic_predictor_update_reference(h.detach(), T.detach(),
+                                                                      P, P2, b, lr)
             return reference.predictor_update_reference(h.detach(), T.detach(), P, b, lr)
     B, N = h.shape[0], h.numel() // h.shape[0]
     if form == "cpu":
-        tot = torch.from_numpy(cpu.predictor_update(_np(h, B, N), _np(T, B, N), _np(P, N),
-                                                    _np(b, N), lr))
+        flat = (_np(h, B, N), _np(T, B, N))
+        if P2 is None:
+            tot = cpu.predictor_update(*flat, _np(P, N), _np(b, N), lr)
+        else:
+            tot = cpu.quadratic_predictor_update(*flat, _np(P, N), _np(P2, N), _np(b, N), lr)
+        tot = torch.from_numpy(tot)
     else:
         from . import gpu
 
@@ -422,10 +501,15 @@ def predictor_update(h, T, P, b, eta, *, backend: str = "auto") -> PredictorStat
               for k, s in gpu.predictor_workspace_shapes(N).items()}
         with _cuda_launch(h.device) as stream:
             arr = _device_array
-            gpu.predictor_update(*(arr(t) for t in flat), arr(P_), arr(b_), lr,
-                                 arr(ws["part"]), arr(ws["tot"]), stream=stream)
+            if P2 is None:
+                gpu.predictor_update(*(arr(t) for t in flat), arr(P_), arr(b_), lr,
+                                     arr(ws["part"]), arr(ws["tot"]), stream=stream)
+            else:
+                gpu.quadratic_predictor_update(*(arr(t) for t in flat), arr(P_),
+                                               arr(P2.detach().view(N)), arr(b_), lr,
+                                               arr(ws["part"]), arr(ws["tot"]), stream=stream)
         tot = ws["tot"]
-    _mark_written(P, b)
+    _mark_written(*(t for t in (P, b, P2) if t is not None))
     return PredictorStats(tot[0], tot[1])
 
 
@@ -463,5 +547,6 @@ def aux_add(dst, src, *, backend: str = "auto") -> torch.Tensor:
     return dst
 
 
-__all__ = ["mixed_apical", "mixed_local", "predictor_update", "aux_add", "start_pool",
-           "MixedApical", "MixedLocal", "PredictorStats", "RULES", "LOCAL_RULES", "BACKENDS"]
+__all__ = ["mixed_apical", "mixed_local", "mixed_traffic_local", "predictor_update", "aux_add",
+           "start_pool", "MixedApical", "MixedLocal", "PredictorStats", "RULES", "LOCAL_RULES",
+           "BACKENDS"]

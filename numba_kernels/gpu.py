@@ -30,6 +30,9 @@ ITEMS = 4
 MAX_ROW_BLOCKS = 256
 MAX_GRID_Y = 65535
 RAW, INNOVATION, MATCHED = 0, 1, 2
+# mixed_local's sources of the signals (cpu.py's forms): per-unit affine (the seed's),
+# per-unit quadratic (d - q h) h - b, or T and the prediction given per element.
+UNIT, QUAD, GIVEN = 0, 1, 2
 
 
 def row_blocks(N: int, tpb: int = TPB) -> int:
@@ -200,6 +203,68 @@ def kernels(tpb: int = TPB) -> dict:
             part[cuda.blockIdx.x, 1] = sh[1, 0]
 
     @cuda.jit
+    def quadratic(h, T, P, P2, b, eta, part):
+        """MT-2's quadratic predictor step (reference.quadratic_predictor_update_reference),
+        one thread per unit, in place on P, P2 and b; grid, passes and ``part`` as
+        ``predictor``'s."""
+        tx = cuda.threadIdx.x
+        sh = cuda.shared.array((2, tpb), float64)
+        B, N = h.shape
+        s_r = s_t = 0.0
+        for j in range(cuda.blockIdx.x * tpb + tx, N, cuda.gridDim.x * tpb):
+            p = float64(P[j])
+            p2 = float64(P2[j])
+            c0 = float64(b[j])
+            sum_h = sum_q = sum_r = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                qv = hv * hv
+                sum_h += hv
+                sum_q += qv
+                sum_r += float64(T[e, j]) - (p * hv + p2 * qv + c0)
+            mh, mq, mr = sum_h / B, sum_q / B, sum_r / B
+            a = c = d = u = v = 0.0
+            for e in range(B):
+                hv = float64(h[e, j])
+                tv = float64(T[e, j])
+                qv = hv * hv
+                r = tv - (p * hv + p2 * qv + c0)
+                hc = hv - mh
+                qc = qv - mq
+                rc = r - mr
+                a += hc * hc
+                c += hc * qc
+                d += qc * qc
+                u += rc * hc
+                v += rc * qc
+                s_r += r * r
+                s_t += tv * tv
+            a = a / B + 1e-12
+            c = c / B
+            d = d / B + 1e-12
+            u = u / B
+            v = v / B
+            det = a * d - c * c
+            if not det > 1e-24 * a * d:  # a degenerate unit: no step
+                det = math.inf
+            P[j] = p + eta * (d * u - c * v) / det
+            P2[j] = p2 + eta * (a * v - c * u) / det
+            b[j] = c0 + eta * mr
+        sh[0, tx] = s_r
+        sh[1, tx] = s_t
+        cuda.syncthreads()
+        stride = tpb // 2
+        while stride > 0:  # the same fixed-order tree as mixed_rows
+            if tx < stride:
+                sh[0, tx] += sh[0, tx + stride]
+                sh[1, tx] += sh[1, tx + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tx == 0:
+            part[cuda.blockIdx.x, 0] = sh[0, 0]
+            part[cuda.blockIdx.x, 1] = sh[1, 0]
+
+    @cuda.jit
     def sum_part(part, tot):
         """Adds part[:, q] in block order into tot[q]; one block, thread q per column."""
         q = cuda.threadIdx.x
@@ -217,13 +282,14 @@ def kernels(tpb: int = TPB) -> dict:
             dst[i] += src[i]
 
     @cuda.jit
-    def local_rows(I, h, gC, d, b, rows, fac):
+    def local_rows(I, h, gC, d, b, p2, gt, gp, sg, form, rows, fac):
         """Matched's first pass for ``mixed_local``: per example ||R_e||^2, ||N_e||^2, scale.
 
         Grid min(B, 65535) blocks (grid-stride over examples), ``tpb`` threads; block e
-        reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,);
-        writes rows (B, 2) float64 and fac (B,) in the input dtype (zero where raw is
-        zero). Bytes per element: 2 * itemsize.
+        reduces its row (B, M) by the fixed tree. Reads I, h (B, M), gC, d, b (M,) (QUAD:
+        p2 (M,); GIVEN: gt, gp (B, M) instead of gC, d, b); writes rows (B, 2) float64 and
+        fac (B,) in the input dtype (zero where raw is zero). Bytes per element:
+        2 * itemsize (GIVEN: 4).
         """
         tx = cuda.threadIdx.x
         sh = cuda.shared.array((2, tpb), float64)
@@ -233,8 +299,15 @@ def kernels(tpb: int = TPB) -> dict:
             for j in range(tx, M, tpb):
                 i = I[e, j]
                 hv = h[e, j]
-                r = i + gC[j] * hv
-                n = i + (d[j] * hv - b[j])
+                if form == GIVEN:
+                    r = i + sg * gt[e, j]
+                    n = i + sg * (gt[e, j] - gp[e, j])
+                elif form == QUAD:
+                    r = i + gC[j] * hv
+                    n = i + ((d[j] - p2[j] * hv) * hv - b[j])
+                else:
+                    r = i + gC[j] * hv
+                    n = i + (d[j] * hv - b[j])
                 s_r += float64(r) * float64(r)
                 s_n += float64(n) * float64(n)
             sh[0, tx] = s_r
@@ -255,15 +328,17 @@ def kernels(tpb: int = TPB) -> dict:
             cuda.syncthreads()
 
     @cuda.jit
-    def local_sums(I, h, o, gC, d, b, fac, rule, scale, mean, istd, has_norm, part):
+    def local_sums(I, h, o, gC, d, b, p2, gt, gp, sg, form, fac, rule, scale, mean, istd,
+                   has_norm, part):
         """``mixed_local`` pass 1: per (example, channel) slab, the eight sums.
 
         Grid (Ch, min(B, 65535)), ``tpb`` threads; block (c, y) reduces the slabs (e, c)
         for e = y, y + gridDim.y, ... by the fixed tree into part (B, Ch, 8) float64:
         squares of I, T, R, N, then sum m, sum m * xhat for the masked used signal
         m = scale * U where h > 0, and sum q, sum q * xhat for the masked instruction
-        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S).
-        Bytes per element: 3 * itemsize.
+        q = scale * I where h > 0. Reads I, h, o (B, Ch, S), gC, d, b (Ch, S) (QUAD: p2
+        (Ch, S); GIVEN: gt, gp (B, Ch, S) instead). Bytes per element: 3 * itemsize
+        (GIVEN: 5).
         """
         tx = cuda.threadIdx.x
         ch = cuda.blockIdx.x
@@ -279,9 +354,16 @@ def kernels(tpb: int = TPB) -> dict:
             for j in range(tx, S, tpb):
                 i = I[e, ch, j]
                 hv = h[e, ch, j]
-                t = gC[ch, j] * hv
+                if form == GIVEN:
+                    t = sg * gt[e, ch, j]
+                    n = i + sg * (gt[e, ch, j] - gp[e, ch, j])
+                elif form == QUAD:
+                    t = gC[ch, j] * hv
+                    n = i + ((d[ch, j] - p2[ch, j] * hv) * hv - b[ch, j])
+                else:
+                    t = gC[ch, j] * hv
+                    n = i + (d[ch, j] * hv - b[ch, j])
                 r = i + t
-                n = i + (d[ch, j] * hv - b[ch, j])
                 u = i  # rule NONE: the clean reference
                 if rule == RAW:
                     u = r
@@ -338,14 +420,14 @@ def kernels(tpb: int = TPB) -> dict:
                     kac[ch, q] = 0.0
 
     @cuda.jit
-    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
-                    scale, mean, istd, kac, has_norm):
+    def local_write(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, p2, gt, gp,
+                    sg, form, fac, rule, scale, mean, istd, kac, has_norm):
         """``mixed_local`` pass 2: out = k * (m - mean(m) - xhat * mean(m xhat)); with
         ``want_inst`` inst the same for q, with ``want_masked`` masked = I where h > 0.
 
         Grid-stride over the B * Ch * S elements (any grid). Reads I, h, o (B, Ch, S);
         writes out, and inst and masked when wanted (not in place). Bytes per element:
-        (4 + wanted outputs) * itemsize.
+        (4 + wanted outputs) * itemsize (GIVEN: + 2, gt and gp).
         """
         B, Ch, S = I.shape
         for k in range(cuda.grid(1), B * Ch * S, cuda.gridsize(1)):
@@ -354,9 +436,16 @@ def kernels(tpb: int = TPB) -> dict:
             j = k % S
             i = I[e, ch, j]
             hv = h[e, ch, j]
-            t = gC[ch, j] * hv
+            if form == GIVEN:
+                t = sg * gt[e, ch, j]
+                n = i + sg * (gt[e, ch, j] - gp[e, ch, j])
+            elif form == QUAD:
+                t = gC[ch, j] * hv
+                n = i + ((d[ch, j] - p2[ch, j] * hv) * hv - b[ch, j])
+            else:
+                t = gC[ch, j] * hv
+                n = i + (d[ch, j] * hv - b[ch, j])
             r = i + t
-            n = i + (d[ch, j] * hv - b[ch, j])
             u = i  # rule NONE: the clean reference
             if rule == RAW:
                 u = r
@@ -376,8 +465,9 @@ def kernels(tpb: int = TPB) -> dict:
                 masked[e, ch, j] = i if on else zero
 
     return dict(mixed_rows=mixed_rows, mixed_finish=mixed_finish, matched_scale=matched_scale,
-                predictor=predictor, sum_part=sum_part, add=add, local_rows=local_rows,
-                local_sums=local_sums, local_combine=local_combine, local_write=local_write)
+                predictor=predictor, quadratic=quadratic, sum_part=sum_part, add=add,
+                local_rows=local_rows, local_sums=local_sums, local_combine=local_combine,
+                local_write=local_write)
 
 
 def mixed_workspace_shapes(B: int, N: int, tpb: int = TPB) -> dict:
@@ -397,26 +487,34 @@ def mixed_apical(I, h, gC, P, b, rule, out, part, rows, scales, tot, stream=0, t
 
 
 def mixed_local(I, h, o, out, inst, masked, want_inst, want_masked, gC, d, b, fac, rule,
-                scale, mean, istd, gamma, has_norm, chan, rows, part, kac, stream=0, tpb=TPB):
+                scale, mean, istd, gamma, has_norm, chan, rows, part, kac, q=None, tx=None,
+                px=None, sg=1.0, form=UNIT, stream=0, tpb=TPB):
     """Launches ``mixed_local``: matched's row pass, the slab sums, the per-channel combine,
     the writes. Populations (B, Ch, S); inst, masked (B, Ch, S), or any (1, 1, 1) array
     when not wanted; gC (the gain times C, rounded as the reference does), d = gC - P,
     b (Ch, S); fac (B,) ones unless matched (filled here); mean, istd, gamma (Ch,) (any
     length-1 arrays without a norm); workspaces: rows (B, 2), part (B, Ch, 8), chan
-    (Ch, 8) float64, kac (Ch, 5) in the input dtype."""
+    (Ch, 8) float64, kac (Ch, 5) in the input dtype. ``form`` QUAD: q (Ch, S) the
+    quadratic term (sign folded in as for P); GIVEN: tx, px (B, Ch, S) the traffic and
+    the prediction in the reference's units, sg = -sign (gC, d, b then any (1, 1))."""
     k = kernels(tpb)
     B, Ch, S = I.shape
+    q = gC if q is None else q
+    tx = I if tx is None else tx
+    px = I if px is None else px
     if rule == MATCHED:
+        flat = [t.reshape(t.shape[0], t.size // t.shape[0]) for t in (tx, px)]
         k["local_rows"][min(B, MAX_GRID_Y), tpb, stream](
-            I.reshape(B, Ch * S), h.reshape(B, Ch * S), gC.reshape(Ch * S), d.reshape(Ch * S),
-            b.reshape(Ch * S), rows, fac)
-    k["local_sums"][(Ch, min(B, MAX_GRID_Y)), tpb, stream](I, h, o, gC, d, b, fac, rule, scale,
-                                                           mean, istd, has_norm, part)
+            I.reshape(B, Ch * S), h.reshape(B, Ch * S),
+            *(t.reshape(t.size) for t in (gC, d, b, q)), *flat, sg, form, rows, fac)
+    k["local_sums"][(Ch, min(B, MAX_GRID_Y)), tpb, stream](I, h, o, gC, d, b, q, tx, px, sg,
+                                                           form, fac, rule, scale, mean, istd,
+                                                           has_norm, part)
     k["local_combine"][1, tpb, stream](part, gamma, istd, has_norm, float(B * S), chan, kac)
     blocks = max(1, min(4096, -(-(B * Ch * S) // tpb)))
     k["local_write"][blocks, tpb, stream](I, h, o, out, inst, masked, want_inst, want_masked,
-                                          gC, d, b, fac, rule, scale, mean, istd, kac,
-                                          has_norm)
+                                          gC, d, b, q, tx, px, sg, form, fac, rule, scale, mean,
+                                          istd, kac, has_norm)
 
 
 def predictor_workspace_shapes(N: int, tpb: int = TPB) -> dict:
@@ -428,6 +526,14 @@ def predictor_update(h, T, P, b, eta, part, tot, stream=0, tpb=TPB):
     """Launches the predictor step (in place on P, b); fills tot = [ss residual, ss T]."""
     k = kernels(tpb)
     k["predictor"][part.shape[0], tpb, stream](h, T, P, b, float(eta), part)
+    k["sum_part"][1, 32, stream](part, tot)
+
+
+def quadratic_predictor_update(h, T, P, P2, b, eta, part, tot, stream=0, tpb=TPB):
+    """Launches MT-2's quadratic predictor step (in place on P, P2, b); fills tot =
+    [ss residual, ss T]. Workspaces as ``predictor_update``'s."""
+    k = kernels(tpb)
+    k["quadratic"][part.shape[0], tpb, stream](h, T, P, P2, b, float(eta), part)
     k["sum_part"][1, 32, stream](part, tot)
 
 
@@ -449,12 +555,15 @@ def ptx_signatures(dtype: str) -> dict:
         mixed_finish=(f64[:, :, ::1], types.int64, f64[:, ::1], unit, f64[::1]),
         matched_scale=(pop, pop, unit, unit, pop),
         predictor=(pop, pop, unit, unit, f64, f64[:, ::1]),
+        quadratic=(pop, pop, unit, unit, unit, f64, f64[:, ::1]),
         sum_part=(f64[:, ::1], f64[::1]),
         add=(unit, unit),
-        local_rows=(pop, pop, unit, unit, unit, f64[:, ::1], unit),
-        local_sums=(cube, cube, cube, pop, pop, pop, unit, types.int64, f, unit, unit,
-                    types.boolean, f64[:, :, ::1]),
+        local_rows=(pop, pop, unit, unit, unit, unit, pop, pop, f, types.int64, f64[:, ::1],
+                    unit),
+        local_sums=(cube, cube, cube, pop, pop, pop, pop, cube, cube, f, types.int64, unit,
+                    types.int64, f, unit, unit, types.boolean, f64[:, :, ::1]),
         local_combine=(f64[:, :, ::1], unit, unit, types.boolean, f64, f64[:, ::1], pop),
         local_write=(cube, cube, cube, cube, cube, cube, types.boolean, types.boolean, pop, pop,
-                     pop, unit, types.int64, f, unit, unit, pop, types.boolean),
+                     pop, pop, cube, cube, f, types.int64, unit, types.int64, f, unit, unit, pop,
+                     types.boolean),
     )

@@ -22,6 +22,11 @@ arithmetic and the instruction bit for bit under an exact predictor
 (s*g, s*P, s*b) negated by the sign; negation is exact, so both give the same
 bits. Sums of squares are accumulated in float64; the predictor update's
 reductions run in float64 and are rounded to the parameters' dtype once.
+
+MT-2 (issue 37) adds two forms of the same signals: the per-unit quadratic
+predictor P*h + P2*h^2 + b (``P2``: the correction ((g*C - P) - P2*h)*h - b), and
+the general one, ``mixed_traffic_reference``, where any traffic model's T and any
+predictor's prediction are given as tensors (N_d = d + s*(T - prediction)).
 """
 
 from __future__ import annotations
@@ -50,12 +55,14 @@ def sign_factor(sign: str) -> int:
 
 
 def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
-                           sign: str = "hebbian") -> MixedApical:
+                           sign: str = "hebbian", P2=None) -> MixedApical:
     """Traffic, raw, innovation and matched for one population (module docstring).
 
     I, h: (B, *U); C, P, b: (*U); gain a number. ``.used`` is in the gradient
     convention (what the optimizer subtracts); the sums of squares are of the
-    gradient-convention signals (the same numbers as the descent ones)."""
+    gradient-convention signals (the same numbers as the descent ones). ``P2`` (*U),
+    MT-2's per-unit quadratic predictor P h + P2 h^2 + b: the correction is then
+    ((g*C - P) - P2*h)*h - b, still exactly zero under an exact predictor."""
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(RULES)}")
     s = sign_factor(sign)
@@ -63,7 +70,10 @@ def mixed_apical_reference(I, h, C, gain, P, b, rule: str,  # noqa: E741
     gC = C * gain  # (*U)
     T = gC * h  # (B, *U) the traffic
     R = d + s * T
-    N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
+    if P2 is None:
+        N = d + s * ((gC - P) * h - b)  # = R - s (P h + b)
+    else:
+        N = d + s * (((gC - P) - P2 * h) * h - b)  # = R - s (P h + P2 h^2 + b)
     return _chosen(I, T, R, N, rule)
 
 
@@ -98,6 +108,27 @@ def predictor_update_reference(h, T, P, b, eta: float) -> PredictorStats:
     return PredictorStats(_ss(r), _ss(T64))  # squares in float64, as the kernels square them
 
 
+def quadratic_predictor_update_reference(h, T, P, P2, b, eta: float) -> PredictorStats:
+    """MT-2's per-unit quadratic predictor P h + P2 h^2 + b: one normalised-LMS step over
+    the two centred features x = (h, h^2), in place on P, P2 and b:
+    W += eta S^-1 mean_b(r x), S the features' 2 x 2 batch covariance per unit (+1e-12
+    on its diagonal; a unit whose S is singular to rounding takes no step),
+    b += eta mean_b(r), r = T - (P h + P2 h^2 + b) before the step. Float64 reductions,
+    rounded to the parameters' dtype once; returns the sums of squares of r and T."""
+    h64, T64 = h.double(), T.double()
+    q = h64.square()
+    r = T64 - (P.double() * h64 + P2.double() * q + b.double())
+    hc, qc, rc = h64 - h64.mean(0), q - q.mean(0), r - r.mean(0)
+    a, c, d = (hc * hc).mean(0) + 1e-12, (hc * qc).mean(0), (qc * qc).mean(0) + 1e-12
+    u, v = (rc * hc).mean(0), (rc * qc).mean(0)
+    det = a * d - c * c
+    det = torch.where(det > 1e-24 * a * d, det, torch.inf)  # a degenerate unit: no step
+    P.copy_(P.double() + eta * (d * u - c * v) / det)
+    P2.copy_(P2.double() + eta * (a * v - c * u) / det)
+    b.copy_(b.double() + eta * r.mean(0))
+    return PredictorStats(_ss(r), _ss(T64))
+
+
 def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst += src`` in place."""
     return dst.add_(src)
@@ -105,7 +136,7 @@ def aux_add_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa: E741
                           invstd=None, gamma=None, scale: float = 1.0, instruction: bool = False,
-                          masked: bool = False, sign: str = "hebbian") -> MixedLocal:
+                          masked: bool = False, sign: str = "hebbian", P2=None) -> MixedLocal:
     """One population's backward step to the output o of the layer that made it.
 
     h = relu(scale * norm(o) + shortcut) (no norm: relu(scale * o + shortcut)).
@@ -115,12 +146,12 @@ def mixed_local_reference(I, h, o, C, gain, P, b, rule: str, mean=None,  # noqa:
     without a norm L(X) = m. ``.grad`` = L(used), ``.instruction_grad`` = L(I),
     ``.masked`` = I * (h > 0) (what the shortcut receives); ``.dgamma``, ``.dbeta``
     the used signal's norm parameter gradients. Rule ``none``: used = I. Norm sums
-    in float64.
+    in float64. ``P2``: the quadratic predictor's term, as in ``mixed_apical_reference``.
     """
     if rule not in LOCAL_RULES:
         raise ValueError(f"rule={rule!r}; allowed: {', '.join(LOCAL_RULES)}")
     mixed = mixed_apical_reference(I, h, C, gain, P, b,
-                                   "innovation" if rule == "none" else rule, sign)
+                                   "innovation" if rule == "none" else rule, sign, P2)
     return _local_from(mixed, I, h, o, rule, mean, invstd, gamma, scale, instruction, masked)
 
 

@@ -130,6 +130,40 @@ def check_local(shape, dtype, rule, norm, seed=6):
     print("ok", name)
 
 
+def check_local_mt2(shape, dtype, form, rule, norm, sign, seed=7):
+    """MT-2's forms of ``mixed_local`` through the dispatcher's CUDA branch: the per-unit
+    quadratic predictor (P2) and a given traffic and prediction, against the reference."""
+    import numba_kernels as nk
+
+    t = data(shape, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    like = t["I"]
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(like)
+
+    o, P2, T, prediction = r(*shape), 0.2 * r(*shape[1:]), r(*shape), r(*shape)
+    Ch = shape[1]
+    stats = dict(mean=r(Ch), invstd=r(Ch).abs() + 0.5, gamma=r(Ch)) if norm else {}
+    kw = dict(scale=0.5, instruction=True, masked=True, sign=sign, **stats)
+    if form == "quadratic":
+        args = (t["I"], t["h"], o, t["C"], 0.7, t["P"], t["b"], rule)
+        got = nk.mixed_local(*args, P2=P2, **kw)
+        want = nk.mixed_local(*args, P2=P2, backend="torch", **kw)
+    else:
+        args = (t["I"], t["h"], o, T, prediction, rule)
+        got = nk.mixed_traffic_local(*args, **kw)
+        want = nk.mixed_traffic_local(*args, backend="torch", **kw)
+    name = f"local {form} {rule} {sign} {shape} {dtype.__name__} norm={norm}"
+    for field in ("grad", "instruction_grad", "masked"):
+        close(f"{name} {field}", getattr(got, field), getattr(want, field), TOL[dtype])
+    if norm:
+        close(name + " dgamma", got.dgamma, want.dgamma, TOL[dtype] * 10)
+        close(name + " dbeta", got.dbeta, want.dbeta, TOL[dtype] * 10)
+    close(name + " sums", [float(x) for x in got[5:]], [float(x) for x in want[5:]], TOL[dtype])
+    print("ok", name)
+
+
 def check_predictor(shape, dtype, seed=1):
     t = data(shape, dtype, seed)
     T = t["I"]  # any (B, *U) tensor serves as the traffic to predict
@@ -144,6 +178,29 @@ def check_predictor(shape, dtype, seed=1):
     name = f"predictor {shape} {dtype.__name__}"
     close(name + " P", P, P_ref.reshape(N).numpy(), TOL[dtype])
     close(name + " b", b, b_ref.reshape(N).numpy(), TOL[dtype])
+    close(name + " sums of squares", tot, [float(x) for x in stats], TOL[dtype])
+    print("ok", name)
+
+
+def check_quadratic_predictor(shape, dtype, seed=1):
+    """MT-2's quadratic predictor step against its reference."""
+    t = data(shape, dtype, seed)
+    T = t["I"]  # any (B, *U) tensor serves as the traffic to predict
+    # h spread over [0.1, 1.1] (not ReLU's zeros): the 2 x 2 solve is well conditioned,
+    # so the two reduction orders agree to rounding
+    t["h"] = (0.1 + torch.rand(shape, generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float64)).to(T)
+    P_ref, Q_ref, b_ref = t["P"].clone(), 0.5 * t["C"], t["b"].clone()
+    B, N = shape[0], int(np.prod(shape[1:]))
+    P, Q, b = (x.reshape(N).numpy().copy() for x in (P_ref, Q_ref, b_ref))
+    stats = reference.quadratic_predictor_update_reference(t["h"], T, P_ref, Q_ref, b_ref, 0.3)
+    shapes = gpu.predictor_workspace_shapes(N, TPB)
+    part, tot = np.zeros(shapes["part"]), np.zeros(shapes["tot"])
+    gpu.quadratic_predictor_update(t["h"].reshape(B, N).numpy(), T.reshape(B, N).numpy(), P,
+                                   Q, b, 0.3, part, tot, tpb=TPB)
+    name = f"quadratic predictor {shape} {dtype.__name__}"
+    for label, got, want in (("P", P, P_ref), ("P2", Q, Q_ref), ("b", b, b_ref)):
+        close(f"{name} {label}", got, want.reshape(N).numpy(), TOL[dtype] * 10)
     close(name + " sums of squares", tot, [float(x) for x in stats], TOL[dtype])
     print("ok", name)
 
@@ -166,6 +223,7 @@ def main():
             for rule in ("raw", "matched", "innovation"):
                 check_mixed(shape, dtype, rule)
             check_predictor(shape, dtype)
+            check_quadratic_predictor(shape, dtype)
         check_add(37, dtype)
     # matched with an all-zero raw row: that example's signal is zero, not NaN
     check_zero_row()
@@ -186,6 +244,15 @@ def main():
                 for norm in (True, False):
                     if shape == (3, 2, 5, 7) or (norm and rule not in ("none", "raw")):
                         check_local(shape, dtype, rule, norm)
+    # MT-2's forms: every rule on the 4-D population (both signs, with and without a
+    # norm between them); one example and a flat population under matched
+    for dtype in (np.float32, np.float64):
+        for form in ("quadratic", "given"):
+            for rule, sign in (("none", "hebbian"), ("raw", "anti_hebbian"),
+                               ("matched", "hebbian"), ("innovation", "anti_hebbian")):
+                check_local_mt2((3, 2, 5, 7), dtype, form, rule, sign == "hebbian", sign)
+            for shape in ((1, 3, 11), (5, 9)):
+                check_local_mt2(shape, dtype, form, "matched", True, "anti_hebbian")
 
 
 def check_zero_row():

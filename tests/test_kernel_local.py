@@ -223,7 +223,7 @@ def test_float32_populations_run_float32_loops():
         for rule in nk.LOCAL_RULES:
             _local(p, rule, stats, instruction=True, masked=True)
             _local(p, rule, {})
-    compiled = [sig for kernel in cpu._LOCAL for sig in kernel.signatures
+    compiled = [sig for pair in cpu._LOCAL for kernel in pair for sig in kernel.signatures
                 if sig[0].dtype == types.float32]
     assert len(compiled) >= 2  # both forms (every rule in each)
     for sig in compiled:
@@ -247,3 +247,126 @@ def test_a_norm_without_o_says_why_o_is_needed(backend):
                          backend=backend)
     want = _local(p, "raw", {}, backend)  # o given but unread without a norm
     assert torch.equal(got.grad, want.grad)
+
+
+# ---- MT-2: the quadratic predictor's form and the given-traffic form -------------------------
+
+
+def _mt2_case(shape, dtype, seed):
+    """A population with a quadratic term P2 and a given traffic and prediction."""
+    p, stats, _ = _case(shape, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    p["P2"] = (0.2 * torch.randn(shape[1:], generator=g, dtype=torch.float64)).to(dtype)
+    p["T"], p["prediction"] = (torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+                               for _ in "ab")
+    return p, stats
+
+
+def _quadratic(p, rule, stats, backend="auto", **kw):
+    return nk.mixed_local(p["I"], p["h"], p["o"], p["C"], p["gain"], p["P"], p["b"], rule,
+                          P2=p["P2"], backend=backend, **stats, **kw)
+
+
+def _given(p, rule, stats, backend="auto", **kw):
+    return nk.mixed_traffic_local(p["I"], p["h"], p["o"], p["T"], p["prediction"], rule,
+                                  backend=backend, **stats, **kw)
+
+
+def _assert_matches(got, want, tol):
+    for name in ("grad", "instruction_grad"):
+        a, w = getattr(got, name), getattr(want, name)
+        assert float((a - w).abs().max() / w.abs().max()) < tol, name
+    assert torch.equal(got.masked, want.masked)
+    if want.dgamma is not None:
+        for a, w in ((got.dgamma, want.dgamma), (got.dbeta, want.dbeta)):
+            assert float((a - w).abs().max() / w.abs().max()) < 10 * tol
+    for name in ("ss_used", "ss_instruction", "ss_raw", "ss_innovation", "ss_traffic"):
+        a, w = float(getattr(got, name)), float(getattr(want, name))
+        assert abs(a / w - 1) < tol, name
+
+
+@pytest.mark.parametrize("sign", ["hebbian", "anti_hebbian"])
+@pytest.mark.parametrize("form", ["quadratic", "given"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 3, 7), (5, 9), (7, 3, 11), (33, 16, 9, 9)])
+def test_mt2_forms_match_the_reference(shape, dtype, form, sign):
+    """The CPU kernel's quadratic and given forms against the torch reference: every rule,
+    with and without a norm, odd shapes (one example, a flat population, a multi-thread
+    one above SERIAL_BELOW)."""
+    run = {"quadratic": _quadratic, "given": _given}[form]
+    tol = 2e-6 if dtype == torch.float32 else 1e-13
+    for norm in (True, False):
+        p, stats = _mt2_case(shape, dtype, seed=11)
+        stats = stats if norm else {}
+        for rule in nk.LOCAL_RULES:
+            kw = dict(scale=0.5, instruction=True, masked=True, sign=sign)
+            _assert_matches(run(p, rule, stats, **kw), run(p, rule, stats, "torch", **kw), tol)
+            lean = run(p, rule, stats, scale=0.5, sign=sign)
+            assert lean.instruction_grad is None and lean.masked is None
+
+
+def test_the_quadratic_reference_is_the_general_one_with_its_traffic_and_prediction():
+    """P h + P2 h^2 + b with T = g C h: the quadratic form's maths is the general form's on
+    those tensors (float64, to rounding), and P2 = 0 is the affine form bit for bit."""
+    p, stats = _mt2_case((6, 2, 5, 7), torch.float64, seed=12)
+    T = p["C"] * p["gain"] * p["h"]
+    prediction = p["P"] * p["h"] + p["P2"] * p["h"] ** 2 + p["b"]
+    for rule in nk.LOCAL_RULES:
+        for sign in ("hebbian", "anti_hebbian"):
+            kw = dict(scale=0.5, instruction=True, masked=True, sign=sign, **stats)
+            quad = nk.mixed_local_reference(p["I"], p["h"], p["o"], p["C"], p["gain"], p["P"],
+                                            p["b"], rule, P2=p["P2"], **{
+                                                k: kw[k] for k in ("mean", "invstd", "gamma",
+                                                                   "scale", "instruction",
+                                                                   "masked", "sign")})
+            general = nk.mixed_traffic_local_reference(
+                p["I"], p["h"], p["o"], T, prediction, rule, **{
+                    k: kw[k] for k in ("mean", "invstd", "gamma", "scale", "instruction",
+                                       "masked", "sign")})
+            _assert_matches(quad, general, 1e-12)
+            zero = _quadratic(dict(p, P2=torch.zeros_like(p["P2"])), rule, stats,
+                              scale=0.5, sign=sign)
+            affine = _local(p, rule, stats, scale=0.5, sign=sign)
+            assert torch.equal(zero.grad, affine.grad), rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_exact_quadratic_predictor_leaves_the_instruction_bit_for_bit(dtype):
+    """P = g C, P2 = 0, b = 0 on linear traffic: the correction is exactly zero, so the
+    used gradient is the instruction's (the kernel forms it as the reference does)."""
+    p, stats = _mt2_case((6, 2, 5, 7), dtype, seed=13)
+    gC = p["C"] * p["gain"]
+    p = dict(p, P=gC, P2=torch.zeros_like(gC), b=torch.zeros_like(gC))
+    for sign in ("hebbian", "anti_hebbian"):
+        got = _quadratic(p, "innovation", stats, scale=0.7, instruction=True, sign=sign)
+        assert torch.equal(got.grad, got.instruction_grad)
+
+
+def test_a_given_traffic_equal_to_its_prediction_leaves_the_instruction():
+    p, stats = _mt2_case((6, 2, 5, 7), torch.float32, seed=14)
+    p["prediction"] = p["T"].clone()
+    got = _given(p, "innovation", stats, scale=0.7, instruction=True)
+    assert torch.equal(got.grad, got.instruction_grad)
+    assert float(got.ss_innovation) == pytest.approx(float(got.ss_instruction), rel=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(P2="flat"), r"P2 \(shape \(70,\).*must have shape \(2, 5, 7\)"),
+    (dict(P2="f32"), r"P2 \(.*dtype torch.float32.*must match the population's dtype"),
+])
+def test_a_bad_quadratic_term_is_refused_by_name(change, message):
+    p, stats = _mt2_case((6, 2, 5, 7), torch.float64, seed=15)
+    edits = {"flat": p["P2"].reshape(-1), "f32": p["P2"].float()}
+    with pytest.raises(ValueError, match=message):
+        _quadratic(dict(p, P2=edits[change["P2"]]), "raw", stats)
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("T", lambda t: t[..., :6], r"T \(shape \(6, 2, 5, 6\).*must have shape \(6, 2, 5, 7\)"),
+    ("prediction", lambda t: t.float(), r"prediction \(.*must match the population's dtype"),
+    ("T", lambda t: "traffic", r"T must be a torch.Tensor, got str"),
+])
+def test_a_bad_given_traffic_or_prediction_is_refused_by_name(name, edit, message):
+    p, stats = _mt2_case((6, 2, 5, 7), torch.float64, seed=16)
+    with pytest.raises((ValueError, TypeError), match=message):
+        _given(dict(p, **{name: edit(p[name])}), "raw", stats)

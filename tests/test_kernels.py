@@ -642,3 +642,61 @@ def test_predictor_update_parallel_form_matches_the_reference_above_its_threshol
     torch.testing.assert_close(b1, b2, rtol=1e-12, atol=1e-14)
     for a, w in zip(got, want):
         assert math.isclose(float(a), float(w), rel_tol=1e-12)
+
+
+# ---- MT-2: the per-unit quadratic predictor's step -----------------------------------------
+
+
+def _quadratic_case(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = 0.1 + torch.rand(shape, generator=g, dtype=torch.float64)
+    T = 1.3 * torch.tanh(h) - 0.2 + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)
+    params = [0.3 * torch.randn(shape[1:], generator=g, dtype=torch.float64) for _ in "PQb"]
+    return [t.to(dtype) for t in (h, T, *params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 5), (7, 3, 11), (6, 2, 5, 7), (128, 16, 16, 16)])
+def test_quadratic_predictor_update_cpu_matches_reference(shape, dtype):
+    """Serial (small) and prange (the last shape: 8 chunks of UNIT_CHUNK) forms, every unit
+    compared; one example (no spread: every unit degenerate, b alone steps)."""
+    h, T, P0, Q0, b0 = _quadratic_case(shape, dtype, seed=21)
+    got_p, want_p = [[t.clone() for t in (P0, Q0, b0)] for _ in "ab"]
+    got = nk.predictor_update(h, T, got_p[0], got_p[2], 0.5, P2=got_p[1])
+    want = nk.quadratic_predictor_update_reference(h, T, want_p[0], want_p[1], want_p[2], 0.5)
+    # The 2 x 2 solve amplifies the reductions' rounding (the kernel sums down the batch
+    # in order, torch pairwise) by its condition number: h and h^2 are correlated.
+    tol = {torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+    for a, w, before in zip(got_p, want_p, (P0, Q0, b0)):
+        if shape[0] > 1:
+            assert bool((w != before).any())
+        assert rel(a - before, w - before) < tol
+    for a, w in zip(got, want):
+        assert math.isclose(float(a), float(w), rel_tol=TOL[dtype])
+
+
+def test_quadratic_predictor_step_at_full_rate_reaches_the_least_squares_fit():
+    """Each unit's fit of T on (h, h^2, 1), as torch.linalg.lstsq gives it: from zero, one
+    step at eta = 1 gives its slopes (a Newton step on the centred features); b, stepped
+    from the same residual, reaches the intercept as the steps repeat (the fixed point)."""
+    h, T, *_ = _quadratic_case((64, 3, 4), torch.float64, seed=22)
+    P, Q, b = (torch.zeros(3, 4, dtype=torch.float64) for _ in "PQb")
+    x = torch.stack([h, h.square(), torch.ones_like(h)], -1).movedim(0, -2)  # (3, 4, 64, 3)
+    fit = torch.linalg.lstsq(x, T.movedim(0, -1).unsqueeze(-1)).solution[..., 0]
+    nk.predictor_update(h, T, P, b, 1.0, P2=Q)
+    # (normal equations against lstsq's QR: the features' condition number, squared)
+    for got, want in zip((P, Q), fit.unbind(-1)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
+    assert float((b - fit[..., 2]).abs().min()) > 0.1  # the intercept is not there yet
+    for _ in range(100):
+        nk.predictor_update(h, T, P, b, 1.0, P2=Q)
+    for got, want in zip((P, Q, b), fit.unbind(-1)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
+
+
+def test_a_bad_quadratic_term_of_the_predictor_update_is_refused_by_name():
+    h, T, P, Q, b = _quadratic_case((6, 2, 5), torch.float64, seed=23)
+    with pytest.raises(ValueError, match=r"P2 \(shape \(10,\).*must have shape \(2, 5\)"):
+        nk.predictor_update(h, T, P, b, 0.5, P2=Q.reshape(-1))
+    with pytest.raises(ValueError, match=r"P2 \(.*is written in place and must be contiguous"):
+        nk.predictor_update(h, T, P, b, 0.5, P2=torch.zeros(5, 2, dtype=torch.float64).T)

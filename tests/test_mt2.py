@@ -235,3 +235,49 @@ def test_the_report_pairs_each_run_with_its_clean_reference_on_the_fixture():
             assert math.isnan(row.gap)
         else:
             assert row.gap == pytest.approx(ref - acc, abs=1e-12)
+
+
+@pytest.mark.parametrize("predictor", PREDICTORS)
+def test_the_bill_counts_the_predictors_macs_and_element_wise_work(predictor):
+    """The channel map's multiply-accumulates, counted by torch's flop counter on the
+    predictor's own calls (a prediction per trained example; an update's three products
+    per observed example) plus the k x k solves by hand (4 k^3 / 3 per population and
+    update); the per-unit predictors have none. Element-wise work per unit from the
+    populations' shapes and explicit example and update counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, rule = _rule({"predictor": predictor, "predictor_warmup_steps": 2,
+                         "predictor_batch": 8, "predictor_every": 2})
+    x, y = _batch()
+    rule.prepare(x, y)
+    for step in range(1, 6):
+        rule.compute_gradients(x, y, step)
+    updates, observed, trained = 2 + 2, 2 * 8 + 2 * len(y), 5 * len(y)  # steps 2 and 4
+    ap = rule.apical
+    assert (ap.predictor_updates, ap.predictor_examples) == (updates, observed)
+    hs = rule.last_h
+    units = sum(h[0].numel() for h in hs.values())
+    work = rule.work(model.layer_macs((1, 40)), trained)
+    if predictor == "channel_linear":
+        with FlopCounterMode(display=False) as predicted:
+            for i, h in hs.items():
+                ap.predictor(i, h)
+        per_example = predicted.get_total_flops() // 2 // len(y)  # flops = 2 MACs
+        assert per_example == sum(h.shape[1] * h[0].numel() for h in hs.values())
+        twin = type(ap.predictor)(len(hs))
+        twin.load(ap.predictor.state())
+        with FlopCounterMode(display=False) as updated:
+            for i, h in hs.items():
+                twin.update(i, h, ap.traffic(i, h), 0.5)
+        products = updated.get_total_flops() // 2 // len(y)  # the solve is not counted
+        assert products == 3 * per_example
+        solves = sum(4 * h.shape[1] ** 3 // 3 for h in hs.values())
+        assert work["predictor"] == (trained * per_example + observed * products
+                                     + updates * solves)
+    else:
+        assert "predictor" not in work
+    update_ops, prediction_ops = {"unit_affine": (8, 0), "unit_quadratic": (21, 2),
+                                  "channel_linear": (6, 1)}[predictor]
+    elementwise = rule.elementwise(trained)
+    assert elementwise["predictor"] == (observed * update_ops + trained * prediction_ops) * units
+    assert elementwise["mixed_local"] == 30 * units * trained

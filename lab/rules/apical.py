@@ -21,8 +21,11 @@ population h (B, *U) with instruction I (d loss / dh), per unit:
 
 The fused kernels (``numba_kernels``) compute the signals with the sums of squares
 the epoch log needs. A new traffic model or predictor (MT-2) is a class with the
-same narrow interface: ``ensure(i, h)``, ``__call__(i, h)`` / ``update(i, h, T, eta)``,
-``state()`` / ``load(state)``.
+same narrow interface: ``ensure(i, h)``, ``__call__(i, h, factor)`` /
+``update(i, h, T, eta)``, ``state()`` / ``load(state)``. Linear traffic with a per-unit
+predictor runs the fused step from the per-unit coefficients (``mixed_local``, with P2
+for the quadratic one); any other pair forms T and the prediction in torch and runs
+the fused step on them (``mixed_traffic_local``).
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class LinearTraffic:
             self.coefficients[i] = torch.exp(0.25 * torch.randn(
                 h.shape[1:], generator=generator, dtype=torch.float64)).to(h)
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return (self.coefficients[i] * self.gains[i]) * h
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        # ``factor`` (the kernels' 1 / B) joins the per-unit product: no extra pass.
+        return (self.coefficients[i] * (self.gains[i] * factor)) * h
 
     def unit_squares(self, hs) -> list[float]:
         """Per population, the sum of squares of C h (the traffic at unit gain), float64."""
@@ -99,8 +103,8 @@ class SaturatingTraffic(LinearTraffic):
         s = self.scales[i]
         return s * torch.tanh(h / s)
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return (self.coefficients[i] * self.gains[i]) * self._shape(i, h)
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        return (self.coefficients[i] * (self.gains[i] * factor)) * self._shape(i, h)
 
     def unit_squares(self, hs) -> list[float]:
         return [float((self.coefficients[i].double() * self._shape(i, h.double())).square()
@@ -149,8 +153,8 @@ class MixingTraffic(LinearTraffic):
         mh = torch.einsum("kc,bc...->bk...", self.maps[i].to(h), h)
         return self.coefficients[i].to(h).view(shape) * mh
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return self.gains[i] * self._mixed(i, h)
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        return (self.gains[i] * factor) * self._mixed(i, h)
 
     def unit_squares(self, hs) -> list[float]:
         return [float(self._mixed(i, h.double()).square().sum()) for i, h in enumerate(hs)]
@@ -176,12 +180,12 @@ class NoisyTraffic(LinearTraffic):
         self.generator = torch.Generator().manual_seed(
             derive_seed(seed, stream, traffic_seed, "noise"))
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        t = super().__call__(i, h)
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        t = super().__call__(i, h, factor)
         if not self.sigmas[i]:
             return t
         e = torch.randn(h.shape, generator=self.generator, dtype=h.dtype)
-        return t + self.sigmas[i] * e.to(h.device)
+        return t + (self.sigmas[i] * factor) * e.to(h.device)
 
     def unit_squares(self, hs) -> list[float]:
         for i, h in enumerate(hs):
@@ -207,7 +211,14 @@ class NoisyTraffic(LinearTraffic):
 
 
 class UnitAffine:
-    """P h + b per unit, learned by normalised LMS (``numba_kernels.predictor_update``)."""
+    """P h + b per unit, learned by normalised LMS (``numba_kernels.predictor_update``).
+
+    The bill (``Apical.predictor_macs``, ``predictor_elementwise``): per example, a
+    prediction's multiply-accumulates and its element-wise operations per unit beyond the
+    seed's P h + b (which ``mixed_local``'s count holds), and an update's."""
+
+    prediction_ops = 0
+    update_ops = 8  # per unit and example observed
 
     def __init__(self, n: int):
         self.P: list[torch.Tensor | None] = [None] * n
@@ -218,8 +229,14 @@ class UnitAffine:
             self.P[i] = torch.zeros(h.shape[1:], dtype=h.dtype, device=h.device)
             self.b[i] = torch.zeros(h.shape[1:], dtype=h.dtype, device=h.device)
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return self.P[i] * h + self.b[i]
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        return (self.P[i] * factor) * h + self.b[i] * factor
+
+    def prediction_macs(self, shapes: dict) -> int:
+        return 0  # per-unit products are element-wise work
+
+    def update_macs(self, shapes: dict, examples: int, updates: int) -> int:
+        return 0
 
     def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
         numba_kernels.predictor_update(h.contiguous(), T.contiguous(), self.P[i], self.b[i],
@@ -240,7 +257,14 @@ class UnitQuadratic(UnitAffine):
     """P1 h + P2 h^2 + b per unit, learned from instruction-off (h, T) of its own unit by
     normalised LMS over the two centred features x = (h, h^2): W += eta S^-1 mean_b(r x),
     S the features' 2 x 2 batch covariance per unit (+1e-12 on its diagonal),
-    b += eta mean_b(r). Float64 reductions, rounded to the parameters' dtype once."""
+    b += eta mean_b(r) (``numba_kernels.quadratic_predictor_update_reference`` is the
+    spec). Float64 reductions, rounded to the parameters' dtype once."""
+
+    # The prediction's (P2 h) h beyond the affine form: a multiply and an add per unit.
+    prediction_ops = 2
+    # Per unit and example: h^2; the residual (4); centring h, h^2, r (3); the five centred
+    # products (5); the batch sums of those five and of h, h^2, r (8).
+    update_ops = 21
 
     def __init__(self, n: int):
         super().__init__(n)
@@ -251,21 +275,12 @@ class UnitQuadratic(UnitAffine):
             super().ensure(i, h)
             self.P2[i] = torch.zeros_like(self.P[i])
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        return (self.P[i] + self.P2[i] * h) * h + self.b[i]
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        return (self.P[i] * factor + (self.P2[i] * factor) * h) * h + self.b[i] * factor
 
     def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
-        h64, T64 = h.double(), T.double()
-        q = h64.square()
-        r = T64 - (self.P[i].double() * h64 + self.P2[i].double() * q + self.b[i].double())
-        hc, qc, rc = h64 - h64.mean(0), q - q.mean(0), r - r.mean(0)
-        a, c, d = (hc * hc).mean(0) + 1e-12, (hc * qc).mean(0), (qc * qc).mean(0) + 1e-12
-        u, v = (rc * hc).mean(0), (rc * qc).mean(0)
-        det = a * d - c * c
-        det = torch.where(det > 1e-24 * a * d, det, torch.inf)  # a degenerate unit: no step
-        self.P[i].copy_(self.P[i].double() + eta * (d * u - c * v) / det)
-        self.P2[i].copy_(self.P2[i].double() + eta * (a * v - c * u) / det)
-        self.b[i].copy_(self.b[i].double() + eta * r.mean(0))
+        numba_kernels.predictor_update(h.contiguous(), T.contiguous(), self.P[i], self.b[i],
+                                       eta, P2=self.P2[i])
 
     def state(self) -> dict:
         return {**super().state(), "P2": _cloned(self.P2)}
@@ -281,11 +296,20 @@ class ChannelLinear:
     LMS with the channels' batch covariance S (over examples and positions, +1e-4 tr(S)/k
     on its diagonal, so a channel direction with almost no variance barely moves W; the
     fixed point, mean(r x^T) = 0, is the least-squares map whatever the ridge):
-    W += eta mean(r x^T) S^-1 (centred), b += eta mean(r). Float64."""
+    W += eta mean(r x^T) S^-1 (centred), b += eta mean(r). Float64.
+
+    The map is a small matmul (k x k at each position), left to torch's BLAS; the
+    signals' element-wise remainder runs fused (``numba_kernels.mixed_traffic_local``)."""
+
+    prediction_ops = 1  # the bias add per unit (the map itself: multiply-accumulates)
+    # Per unit and example observed: the residual's subtraction and bias; centring x and
+    # r; their means.
+    update_ops = 6
 
     def __init__(self, n: int):
         self.W: list[torch.Tensor | None] = [None] * n
         self.b: list[torch.Tensor | None] = [None] * n
+        self.numels = [0] * n  # units per example at each population
 
     P = property(lambda self: self.W)
 
@@ -294,14 +318,28 @@ class ChannelLinear:
             k = h.shape[1]
             self.W[i] = torch.zeros(k, k, dtype=h.dtype, device=h.device)
             self.b[i] = torch.zeros(k, dtype=h.dtype, device=h.device)
+        self.numels[i] = h[0].numel()  # also after a resume (load keeps W)
+
+    def prediction_macs(self, shapes: dict) -> int:
+        """W h at every position: k^2 per position, k^2 S per example."""
+        return sum(s[0] * math.prod(s) for s in shapes.values())
+
+    def update_macs(self, shapes: dict, examples: int, updates: int) -> int:
+        """Per example observed, three k^2 S products (the residual's x W^T, the covariance
+        x^T x, the cross term x^T r); per update and population the k x k solve with k
+        right-hand sides (LU k^3 / 3, then 2 k triangular solves of k^2 / 2: 4 k^3 / 3)."""
+        return (examples * 3 * self.prediction_macs(shapes)
+                + updates * sum(4 * s[0] ** 3 // 3 for s in shapes.values()))
 
     @staticmethod
     def _rows(x: torch.Tensor) -> torch.Tensor:  # (B, k, *S) -> (B prod S, k)
         return x.movedim(1, -1).reshape(-1, x.shape[1])
 
-    def __call__(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        out = self._rows(h) @ self.W[i].T + self.b[i]
-        return out.reshape(*h.movedim(1, -1).shape).movedim(-1, 1)
+    def __call__(self, i: int, h: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+        # (k, k) @ (B, k, S): contiguous (B, k, S) out, as the kernels read it.
+        out = torch.matmul(self.W[i] * factor, h.reshape(len(h), h.shape[1], -1))
+        out += (self.b[i] * factor).view(-1, 1)
+        return out.view(h.shape)
 
     def update(self, i: int, h: torch.Tensor, T: torch.Tensor, eta: float) -> None:
         x, t = self._rows(h.double()), self._rows(T.double())
@@ -318,7 +356,7 @@ class ChannelLinear:
 
     @property
     def units(self) -> int:
-        return sum(b.numel() for b in self.b if b is not None)
+        return sum(self.numels)
 
     def state(self) -> dict:
         return {"W": _cloned(self.W), "b": _cloned(self.b)}
@@ -371,8 +409,15 @@ class Apical:
         self.rule_name, self.params = rule, params
         self.traffic = make_traffic(params, n, seed, stream)
         self.predictor = make_predictor(params, n)
-        # The fused numba kernels hold the seed's pair; any other pair runs the torch form.
-        self.fused = type(self.traffic) is LinearTraffic and type(self.predictor) is UnitAffine
+        # Which fused form computes the signals: per-unit linear traffic with a per-unit
+        # predictor runs from C, g, P, b (and P2); any other pair from T and the prediction
+        # formed in torch (``mixed_traffic_local``). ``signals`` (mixed_apical) fuses only
+        # the seed's pair.
+        linear = type(self.traffic) is LinearTraffic
+        self.form = ("unit" if linear and type(self.predictor) is UnitAffine else
+                     "quadratic" if linear and type(self.predictor) is UnitQuadratic else
+                     "given")
+        self.fused = self.form == "unit"
         self.shapes: dict = {}  # per-example shape of each population seen
         self.predictor_updates = 0
         self.predictor_examples = 0  # examples the predictor updates saw (the bill)
@@ -418,11 +463,12 @@ class Apical:
     def local(self, i: int, g: torch.Tensor, h: torch.Tensor, o: torch.Tensor, batch: int,
               **kw) -> numba_kernels.MixedLocal:
         """Population i's fused backward step (``numba_kernels.mixed_local``), g = I / B."""
-        if not self.fused:
-            return numba_kernels.mixed_traffic_local_reference(
-                g, h, o, self.traffic(i, h) / batch, self.predictor(i, h) / batch,
+        if self.form == "given":
+            return numba_kernels.mixed_traffic_local(
+                g, h, o, self.traffic(i, h, 1 / batch), self.predictor(i, h, 1 / batch),
                 rule=self.params.traffic_rule, sign=self.params.traffic_sign, **kw)
-        return numba_kernels.mixed_local(g, h, o, **self._units(i, batch),
+        extra = {"P2": self.predictor.P2[i] / batch} if self.form == "quadratic" else {}
+        return numba_kernels.mixed_local(g, h, o, **self._units(i, batch), **extra,
                                          rule=self.params.traffic_rule, **kw)
 
     def log(self, i: int, sums: dict, batch: int, numel: int) -> None:
@@ -477,8 +523,19 @@ class Apical:
         self.sums = {k: list(v) for k, v in state["sums"].items()}
         self.numels = list(state["numels"])
 
-    def predictor_elementwise(self) -> int:
-        return self.predictor_examples * 8 * self.predictor.units  # warm-up and training
+    def predictor_macs(self, examples: int) -> int:
+        """The predictor's multiply-accumulates: a prediction per trained example (the
+        signals need it at every step), and the updates (warm-up and training)."""
+        shapes = self.shapes
+        return (examples * self.predictor.prediction_macs(shapes)
+                + self.predictor.update_macs(shapes, self.predictor_examples,
+                                             self.predictor_updates))
+
+    def predictor_elementwise(self, examples: int = 0) -> int:
+        """The updates' element-wise operations (warm-up and training), and the
+        prediction's beyond the seed's affine one per trained example."""
+        p = self.predictor
+        return (self.predictor_examples * p.update_ops + examples * p.prediction_ops) * p.units
 
 
 def calibrated_gains(rule: str, ratio: float, ss_i: list, ss_ch: list, dtype) -> list:

@@ -453,6 +453,10 @@ class KolenPollackTraffic(KolenPollack):
         warmed = self.calibration_examples > 0
         out["predictor_warmup"] = (self.params.predictor_warmup_steps
                                    * self.params.predictor_batch * forward) if warmed else 0
+        # MT-2's channel map (the per-unit predictors have none: element-wise work only).
+        predictor = self.apical.predictor_macs(examples)
+        if predictor:
+            out["predictor"] = predictor
         return out
 
     def elementwise(self, examples):
@@ -465,7 +469,7 @@ class KolenPollackTraffic(KolenPollack):
             # sums and write, and four sums of squares, over both passes.
             apical = {"mixed_local": 30 * units * examples}
         return {**super().elementwise(examples), **apical,
-                "predictor": self.apical.predictor_elementwise()}
+                "predictor": self.apical.predictor_elementwise(examples)}
 
 
 def _nanmean(values) -> float:
