@@ -6,8 +6,8 @@ this module so that the first runs of a sweep (two workers compiling the same ke
 at once, on a fresh clone) load them instead: about a minute of compiling on a
 2-core machine, once per checkout. It calls every CPU entry point at a size on each
 side of the serial/parallel threshold, every rule, with and without a norm, and each
-set of ``mixed_local`` outputs; float32 by default (what training uses), ``--float64``
-adds the double-precision forms the tests use.
+set of ``mixed_local`` outputs (MT-2's quadratic and given-traffic forms too); float32 by
+default (what training uses), ``--float64`` adds the double-precision forms the tests use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ import time
 import torch
 
 from . import cpu
-from .dispatch import LOCAL_RULES, RULES, aux_add, mixed_apical, mixed_local, predictor_update
+from .dispatch import (
+    LOCAL_RULES,
+    RULES,
+    aux_add,
+    mixed_apical,
+    mixed_local,
+    mixed_traffic_local,
+    predictor_update,
+)
 
 
 def warm(dtype: torch.dtype = torch.float32) -> None:
@@ -36,6 +44,11 @@ def warm(dtype: torch.dtype = torch.float32) -> None:
                                      (True, True)):
                     mixed_local(x[0], x[1].relu(), x[2], u[0], 0.5, u[1], u[2], rule,
                                 instruction=inst, masked=masked, **kw)
+                    # MT-2's forms: the quadratic predictor, and T / prediction given
+                    mixed_local(x[0], x[1].relu(), x[2], u[0], 0.5, u[1], u[2], rule,
+                                instruction=inst, masked=masked, P2=u[0], **kw)
+                    mixed_traffic_local(x[0], x[1].relu(), x[2], x[1], x[2], rule,
+                                        instruction=inst, masked=masked, **kw)
         flat = [t.reshape(B, -1) for t in x]  # (B, N)
         unit = [t.reshape(-1) for t in u]  # (N,)
         for rule in RULES:
@@ -43,6 +56,8 @@ def warm(dtype: torch.dtype = torch.float32) -> None:
             mixed_apical(flat[0], flat[1], unit[0], 0.5, unit[1], unit[2], rule,
                          out=torch.empty_like(flat[0]))
         predictor_update(flat[1], flat[0], unit[1].clone(), unit[2].clone(), 0.1)
+        predictor_update(flat[1], flat[0], unit[1].clone(), unit[2].clone(), 0.1,
+                         P2=unit[0].clone())
         aux_add(flat[0].clone(), flat[1])
 
 

@@ -755,3 +755,28 @@ def test_a_calibration_that_observes_nothing_finite_stops_the_run(name, monkeypa
         rule.calibrate(x, y)
     monkeypatch.setattr(rule.estimator, "observe", observe)
     assert rule.events == 1 and math.isfinite(rule.fit)
+
+
+@pytest.mark.parametrize("predictor", ["unit_affine", "channel_linear"])
+def test_sdil_bills_its_predictors_channel_map(predictor):
+    # sdil shares kp_traffic's compartment, so MT-2's channel map costs it the same MACs:
+    # k^2 S per prediction (every trained example), three such products per observed
+    # example, a k x k solve per population and update; the per-unit predictors none.
+    (model, rule), _, x, y = _sdil_pair("innovation", predictor=predictor,
+                                        predictor_warmup_steps=2, predictor_batch=4)
+    for step in range(1, 4):
+        rule.compute_gradients(x, y, step)
+    ap, trained = rule.apical, 3 * len(y)
+    shapes = ap.shapes
+    assert len(shapes) == len(rule.A) and ap.predictor_updates > 0
+    work = rule.work(model.layer_macs(tuple(x.shape[1:])), trained)
+    if predictor == "unit_affine":
+        assert "predictor" not in work
+        return
+    map_macs = sum(s[0] * math.prod(s) for s in shapes.values())
+    solves = sum(4 * s[0] ** 3 // 3 for s in shapes.values())
+    assert work["predictor"] == (trained * map_macs + ap.predictor_examples * 3 * map_macs
+                                 + ap.predictor_updates * solves) > 0
+    units = sum(math.prod(s) for s in shapes.values())
+    assert rule.elementwise(trained)["predictor"] == (
+        ap.predictor_examples * 6 + trained * 1) * units

@@ -527,12 +527,16 @@ class SDIL(Rule):
         out["predictor_warmup"] = (self.params.predictor_warmup_steps
                                    * self.params.predictor_batch * forward) if warmed else 0
         out["traffic_calibration"] = self.gain_examples * (forward + k * units)
+        # MT-2's channel map (the per-unit predictors have none: element-wise work only).
+        predictor = self.apical.predictor_macs(examples)
+        if predictor:
+            out["predictor"] = predictor
         return out
 
     def elementwise(self, examples):
         units = self.apical.predictor.units
         return {"mixed_apical": 12 * units * examples,
-                "predictor": self.apical.predictor_elementwise(),
+                "predictor": self.apical.predictor_elementwise(examples),
                 "perturbation": self.estimator.elementwise()}
 
 
