@@ -77,44 +77,47 @@ def test_local_kernels_take_the_rule_and_outputs_as_literals():
 
     from numba_kernels import cpu
 
-    kernel = numba.njit(cpu._LOCAL[0].py_func)
+    kernel = numba.njit(cpu._LOCAL[cpu.UNIT][0].py_func)  # the seed's form, serial
     a = np.ones((2, 3, 4), dtype=np.float32)
     u = np.ones((3, 4), dtype=np.float32)
     none = np.zeros((2, 3, 0), dtype=np.float32)
+    q = np.zeros((3, 0), dtype=np.float32)  # no quadratic term, no given traffic
     z = np.zeros(1, dtype=np.float32)
     fac = np.ones(2, np.float32)
+    one, zero = np.float32(1), np.float32(0)
     chan = np.empty((3, cpu.L_SUMS))
-    kernel(a, a, a, np.empty_like(a), none, none, u, u, u, fac, np.float32(1), z, z, z,
-           False, chan, np.float32(0), cpu.RAW)
+    kernel(a, a, a, np.empty_like(a), none, none, u, u, u, q, none, none, zero, fac, one, z, z,
+           z, False, chan, zero, cpu.RAW)
     assert chan[:, 0].tolist() == [8.0] * 3  # sum of I^2 per channel: 2 examples x 4
     rules = {f"Literal[int]({code})" for code in (cpu.RAW, cpu.INNOVATION, cpu.MATCHED,
                                                   cpu.NONE)}
     part, kac = np.zeros((2, 3, cpu.L_SUMS)), np.ones((3, 5), np.float32)
-    one = np.float32(1)
-    sums_args = (a, a, a, u, u, u, fac, one, z, z, False, 0, part)
-    write_args = (a, a, a, np.empty_like(a), none, none, u, u, u, fac, one, z, z, kac, False,
-                  0, part)
+    sums_args = (a, a, a, u, u, u, q, none, none, zero, fac, one, z, z, False, 0, part)
+    write_args = (a, a, a, np.empty_like(a), none, none, u, u, u, q, none, none, zero, fac, one,
+                  z, z, kac, False, 0, part)
     for by_rule, args, callee in ((cpu._sums_by_rule, sums_args, cpu._example_sums),
                                   (cpu._write_by_rule, write_args, cpu._example_write)):
-        numba.njit(by_rule.py_func)(*args, np.float32(0), cpu.RAW)  # a runtime rule code
-        assert {str(sig[-1]) for sig in callee.signatures} == rules, callee
+        numba.njit(by_rule.py_func)(*args, zero, cpu.RAW, cpu.UNIT)  # a runtime rule code
+        # (the signature's last entry is the form, the one before it the rule)
+        assert {str(sig[-2]) for sig in callee.signatures} == rules, callee
 
     write = numba.njit(cpu._example_write.py_func)
-    rule = cpu.MATCHED  # a closure constant, as the kernels' branches pass it
+    rule, form = cpu.MATCHED, cpu.UNIT  # closure constants, as the kernels' branches pass them
 
     @numba.njit
-    def probe(a, out, inst, none, u, fac, z, kac, part):
-        write(a, a, a, out, inst, none, u, u, u, fac, np.float32(1), z, z, kac, False, 0,
-              part, np.float32(0), rule)
+    def probe(a, out, inst, none, u, q, fac, z, kac, part):
+        write(a, a, a, out, inst, none, u, u, u, q, none, none, np.float32(0), fac,
+              np.float32(1), z, z, kac, False, 0, part, np.float32(0), rule, form)
 
-    probe(a, np.empty_like(a), np.empty_like(a), none, u, fac, z, np.ones((3, 5), np.float32),
+    probe(a, np.empty_like(a), np.empty_like(a), none, u, q, fac, z, np.ones((3, 5), np.float32),
           np.zeros((2, 3, cpu.L_SUMS)))
     (sig,) = write.signatures
-    assert str(sig[-1]) == f"Literal[int]({cpu.MATCHED})"
-    flags = {(str(s[-3]), str(s[-2]), str(s[-1])) for s in cpu._slab_write.signatures}
+    assert str(sig[-2]) == f"Literal[int]({cpu.MATCHED})"
+    assert str(sig[-1]) == f"Literal[int]({cpu.UNIT})"
+    flags = {(str(s[-4]), str(s[-3]), str(s[-2])) for s in cpu._slab_write.signatures}
     assert {(f"Literal[int]({cpu.MATCHED})", f"Literal[bool]({i})", f"Literal[bool]({m})")
             for i in (True, False) for m in (True, False)} <= flags, flags
-    assert all(s[-3].__class__.__name__ == "IntegerLiteral" for s in cpu._slab_write.signatures)
+    assert all(s[-4].__class__.__name__ == "IntegerLiteral" for s in cpu._slab_write.signatures)
 
 
 CACHE_FALLBACK = """
