@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .completeness import IncompleteProtocolError, find_problems
@@ -119,8 +120,12 @@ def choose(table: pd.DataFrame, spec: SelectSpec, grid: dict) -> pd.DataFrame:
                      "n": len(group), "diverged": int(group["diverged"].sum()),
                      "_order": tuple(order[k][_key(v)] for k, v in zip(keys, values))})
     out = pd.DataFrame(rows).sort_values("_order", kind="stable").reset_index(drop=True)
-    best = out["mean"] == (out.groupby(spec.per)["mean"].transform(spec.goal) if spec.per
-                           else out["mean"].agg(spec.goal))
+    target = (out.groupby(spec.per)["mean"].transform(spec.goal) if spec.per
+              else out["mean"].agg(spec.goal))
+    # Equal to the float's last digits: accuracies are counts over one split, so two
+    # candidates tie exactly (0.98 and 0.985 against 0.9875 and 0.9775) while their float
+    # means differ in the 16th digit, which must not break the grid-order rule.
+    best = out["mean"].eq(target) | np.isclose(out["mean"], target, rtol=1e-9, atol=0.0)
     by = out[spec.per] if spec.per else pd.Series(0, index=out.index)
     first = best & ~best.groupby(by).cumsum().gt(1)
     return out.assign(chosen=first).drop(columns="_order")

@@ -230,3 +230,21 @@ def test_a_missing_fragment_names_the_selection_protocol_that_writes_it(tmp_path
                                      "include: out/lr.yaml\ngrid: {seed: [0]}\n")
     with pytest.raises(ProtocolError, match=r"does not exist; `lab select .*s\.yaml` writes it"):
         load_protocol(tmp_path / "f.yaml", configs=False)
+
+
+def test_a_tie_in_the_last_float_digit_is_a_tie():
+    # kp on the rule table: 0.98 and 0.985 at lr 0.03, 0.9875 and 0.9775 at 0.3. Both
+    # means are 0.9825 over 400 validation examples, but the floats differ in the 16th
+    # digit (0.9824999999999999 vs 0.9825), and 0.3 was chosen instead of the first listed.
+    grid = {"rule": ["kp"], "lr": [0.03, 0.3], "seed": [0, 1]}
+    values = {(0.03, 0): 0.98, (0.03, 1): 0.985, (0.3, 0): 0.9875, (0.3, 1): 0.9775}
+    table = pd.DataFrame([{"run_id": f"{lr}-{s}", "rule": "kp", "lr": lr, "seed": s,
+                           "status": "complete", "final.val_acc": v}
+                          for (lr, s), v in values.items()])
+    result = choose(table, _spec(), grid)
+    assert result["mean"].iloc[0] != result["mean"].iloc[1]  # the floats do differ
+    assert result[result["chosen"]]["lr"].tolist() == [0.03]
+    # ... and a real difference still wins wherever it is listed
+    values[(0.3, 0)] = 0.99
+    table["final.val_acc"] = list(values.values())
+    assert choose(table, _spec(), grid).query("chosen")["lr"].tolist() == [0.3]
