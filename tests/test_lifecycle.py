@@ -90,10 +90,11 @@ def test_a_step_whose_own_computation_blows_up_diverges_with_its_rows_kept(tmp_p
     assert saved["rows"] == {"step": 5} and "train_wall_s" in saved["work"]
     again = train(BlowsUp(), config, tmp_path / "r")  # finished: returned, not retrained
     assert again["status"] == "diverged" and len(_rows(again)) == 5
+    class Fails(Synthetic):
+        def step(self, run, position, life):
+            raise FloatingPointError("plain")
+
     with pytest.raises(FloatingPointError, match="^plain$"):  # any other error: failed
-        class Fails(Synthetic):
-            def step(self, run, position, life):
-                raise FloatingPointError("plain")
         train(Fails(), config, tmp_path / "f")
     assert records.load_record(tmp_path / "f")["status"] == "failed"
 
