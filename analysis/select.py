@@ -175,11 +175,26 @@ class Selection:
                   f"{', '.join(self.spec.choose)} with the "
                   f"{self.spec.goal} mean final {self.spec.metric} on the validation split "
                   f"over the seeds ({int(self.result['n'].max())} runs a candidate).\n"
-                  "# Generated: edit the selection protocol and rerun rather than this file.\n")
+                  "# Generated: edit the selection protocol and rerun rather than this file.\n"
+                  + self.evidence())
         body = yaml.safe_dump(fragment(self.result, self.spec), sort_keys=False)
         self.spec.into.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.spec.into, lambda tmp: tmp.write_text(header + body))
         return self.spec.into
+
+
+    def evidence(self) -> str:
+        """Every candidate's score as YAML comments, so the fragment shows why it holds what
+        it holds after the selection's runs are gone (chosen rows marked ``<-``)."""
+        keys = ([self.spec.per] if self.spec.per else []) + list(self.spec.choose)
+        table = self.result[keys + ["mean", "std", "n", "diverged"]].copy()
+        table["mean"] = [("diverged" if abs(m) == math.inf else f"{m:.4f}")
+                         for m in table["mean"]]
+        table["std"] = table["std"].map(lambda v: "" if math.isnan(v) else f"{v:.4f}")
+        table[""] = ["<-" if c else "" for c in self.result["chosen"]]
+        lines = table.to_string(index=False).splitlines()
+        return "".join(f"#   {line.rstrip()}\n" for line in
+                       [f"candidates ({self.spec.metric} mean over seeds):", *lines])
 
 
 def _shown(path) -> str:

@@ -143,6 +143,12 @@ select: {{choose: lr, per: rule, metric: val_acc, goal: max, into: chosen/lr.yam
     assert chosen == expected
     path = selection.write()
     assert path == tmp_path / "chosen" / "lr.yaml"
+    # the evidence rides along as comments: every candidate's mean, the chosen ones marked
+    comments = [line.split() for line in path.read_text().splitlines()
+                if line.startswith("#   ") and line.split()[1] in ("bp", "dfa")]
+    assert {(w[1], float(w[2])): (float(w[3]), w[-1] == "<-") for w in comments} == {
+        (rule, lr): (round(sum(scores[rule, lr]) / 2, 4), chosen[rule] == lr)
+        for rule, lr in scores}
     assert yaml.safe_load(path.read_text()) == {"overrides": {"rule": {
         rule: {"lr": lr} for rule, lr in chosen.items()}}}
 
