@@ -5,7 +5,9 @@ Executes ``notebooks/01-train-conv.ipynb`` with a tiny config through
 values, record bookkeeping) and calls ``lab.train.train_conv`` with the same
 config in this process (torch already imported). The two are interleaved,
 repeated, and the difference of the medians is printed in seconds. Target
-(DESIGN section 10): at most 3 s. Where a run's time goes is printed too, from
+(DESIGN section 10): at most 3 s. Beside it, the floor any fresh kernel pays before
+lab's own code: a bare Python process that imports torch and matplotlib's Figure and
+builds a torch optimizer (whose first use imports ``torch._dynamo``). Where a run's time goes is printed too, from
 papermill's cell timings: the kernel's start, the imports cell, the training
 cell (a fresh kernel's first run) and the rest.
 
@@ -18,6 +20,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,12 +56,22 @@ def _phases(notebook: Path, total: float) -> dict[str, float]:
             "the rest": total - kernel - imports - training}
 
 
+FLOOR = ("import torch, matplotlib.figure; "
+         "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)")
+
+
+def _floor() -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", FLOOR], check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("LAB_DATA_DIR", str(ROOT / "data"))
-    in_process, notebook, phases = [], [], []
+    in_process, notebook, phases, floor = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         train_conv(ConvConfig(**PARAMS), Path(tmp) / "warm-up")  # data cache, imports
         for i in range(args.repeats):
@@ -69,11 +83,15 @@ def main() -> None:
             notebook.append(time.perf_counter() - start)
             assert result.status == record["status"] == "complete", result.error
             phases.append(_phases(result.notebook, notebook[-1]))
+            floor.append(_floor())
     direct, pm = statistics.median(in_process), statistics.median(notebook)
     print(f"in-process train_conv: median {direct:.2f} s  ({_times(in_process)})")
     print(f"papermill notebook:    median {pm:.2f} s  ({_times(notebook)})")
     print(f"papermill overhead per run: {pm - direct:.2f} s (target <= 3 s); "
           f"ratio notebook / in-process = {pm / direct:.2f}")
+    print(f"floor (python + torch + torch._dynamo + matplotlib, no lab): median "
+          f"{statistics.median(floor):.2f} s ({_times(floor)}); lab's own share of the "
+          f"overhead: {pm - direct - statistics.median(floor):.2f} s")
     print("a papermill run, median seconds: " + ", ".join(
         f"{name} {statistics.median(p[name] for p in phases):.2f}" for name in phases[0]))
 
