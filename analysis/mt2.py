@@ -40,6 +40,10 @@ def run_frame(data) -> pd.DataFrame:
         "traffic_model": _setting(data, table, MODEL, "linear"),
         "predictor": _setting(data, table, PREDICTOR, "unit_affine"),
         "traffic_rule": table[RULE].astype(str)}, index=table.index)
+    # A dose axis (``noise``, ``mixing``) or any other grid key beside these: a column of
+    # its own, so that points at different doses are never averaged together.
+    for key in dose_keys(data):
+        frame[_short(key)] = table[key]
     frame = frame.join(finals.reindex(columns=["test_acc", RESIDUAL, ALIGN])
                        .rename(columns={RESIDUAL: "residual", ALIGN: "align_used"}))
     keys = [k for k in data.group_keys if k != RULE and k in table] + (
@@ -51,10 +55,21 @@ def run_frame(data) -> pd.DataFrame:
     return frame
 
 
+def dose_keys(data) -> list[str]:
+    """The grid keys other than the traffic model, predictor, traffic rule and seed."""
+    return [k for k in data.group_keys if k not in (RULE, MODEL, PREDICTOR, "seed")]
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
 def summary(data) -> pd.DataFrame:
-    """Mean over seeds of accuracy, gap, residual and alignment per grid point."""
+    """Mean over seeds of accuracy, gap, residual and alignment per grid point (traffic
+    model, predictor, any dose key, traffic rule)."""
     frame = run_frame(data)
-    return frame.groupby(["traffic_model", "predictor", "traffic_rule"]).agg(
+    doses = [_short(k) for k in dose_keys(data)]
+    return frame.groupby(["traffic_model", "predictor", *doses, "traffic_rule"]).agg(
         test_acc=("test_acc", "mean"), gap=("gap", "mean"), residual=("residual", "mean"),
         align_used=("align_used", "mean"), seeds=("test_acc", "size"))
 

@@ -7,9 +7,9 @@ config in this process (torch already imported). The two are interleaved,
 repeated, and the difference of the medians is printed in seconds. Target
 (DESIGN section 10): at most 3 s. Beside it, the floor any fresh kernel pays before
 lab's own code: a bare Python process that imports torch and matplotlib's Figure and
-builds a torch optimizer (whose first use imports ``torch._dynamo``). Where a run's time goes is printed too, from
-papermill's cell timings: the kernel's start, the imports cell, the training
-cell (a fresh kernel's first run) and the rest.
+builds a torch optimizer (whose first use imports ``torch._dynamo``). Where a run's
+time goes is printed too, from papermill's cell timings: the kernel's start, the
+imports cell, the training cell (a fresh kernel's first run) and the rest.
 
     python benchmarks/bench_papermill.py [--repeats 5]
 """
