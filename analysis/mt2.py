@@ -103,6 +103,11 @@ def alignment_figure(data) -> Figure:
     frame = frame[frame["traffic_rule"] != "none"]
     fig = Figure(figsize=(6.5, 4), layout="constrained")
     ax = fig.subplots()
+    if frame.empty:  # (a protocol run with alignment_every 0 records no used-signal cosine)
+        ax.text(0.5, 0.5, "no run with traffic recorded the used signal's alignment",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
     for k, rule in enumerate(("innovation", "matched")):
         part = frame[frame["traffic_rule"] == rule]
         ax.scatter(part["residual"], part["align_used"], label=rule,

@@ -1,6 +1,7 @@
 """analysis.mt2 on a hand-made protocol: gaps pair each run with its own clean run, and a
 dose axis is never averaged away (the oracle: the means written out by hand)."""
 
+import io
 from types import SimpleNamespace
 
 import pandas as pd
@@ -45,3 +46,14 @@ def test_gaps_pair_runs_with_their_own_clean_run_and_doses_stay_apart():
     assert low["gap"] == pytest.approx((0.05 + 0.10) / 2)
     assert high["gap"] == pytest.approx((0.20 + 0.05) / 2)
     assert high["residual"] == pytest.approx(0.2) and high["seeds"] == 2
+
+
+def test_the_alignment_figure_says_so_when_no_run_recorded_alignment():
+    rows = [{"run_id": f"{rule}-{seed}", NOISE: 0.5, mt2.RULE: rule, "seed": seed,
+             "status": "complete", "acc": 0.5, "res": 0.1}
+            for rule in ("none", "innovation") for seed in (0, 1)]
+    data = _data(rows)
+    data.metrics = data.metrics[data.metrics["metric"] != mt2.ALIGN]
+    fig = mt2.alignment_figure(data)
+    assert "no run" in fig.axes[0].texts[0].get_text()
+    fig.savefig(io.BytesIO())  # draws (a log scale over no points raised here)
