@@ -80,6 +80,9 @@ def gap_figure(data) -> Figure:
     frame = run_frame(data).dropna(subset=["gap", "residual"])
     fig = Figure(figsize=(6.5, 4), layout="constrained")
     ax = fig.subplots()
+    if frame.empty:  # every run with traffic diverged: a gap needs a finished run
+        return _nothing_to_draw(fig, "no run with traffic finished (a diverged run has "
+                                "no final accuracy)")
     models = sorted(frame["traffic_model"].unique())
     colours = {m: f"C{k}" for k, m in enumerate(models)}
     for (model, predictor, rule), part in frame.groupby(
@@ -104,10 +107,8 @@ def alignment_figure(data) -> Figure:
     fig = Figure(figsize=(6.5, 4), layout="constrained")
     ax = fig.subplots()
     if frame.empty:  # (a protocol run with alignment_every 0 records no used-signal cosine)
-        ax.text(0.5, 0.5, "no run with traffic recorded the used signal's alignment",
-                ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return fig
+        return _nothing_to_draw(fig, "no run with traffic recorded the used signal's "
+                                "alignment")
     for k, rule in enumerate(("innovation", "matched")):
         part = frame[frame["traffic_rule"] == rule]
         ax.scatter(part["residual"], part["align_used"], label=rule,
@@ -116,4 +117,12 @@ def alignment_figure(data) -> Figure:
     ax.set_xlabel("predictor residual / traffic (RMS, end of training)")
     ax.set_ylabel("cos(used signal, BP gradient)")
     ax.legend(fontsize="small")
+    return fig
+
+
+def _nothing_to_draw(fig: Figure, why: str) -> Figure:
+    """The figure says why it is empty (a log axis over no points cannot be drawn)."""
+    ax = fig.axes[0]
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
     return fig

@@ -182,7 +182,6 @@ class Selection:
         atomic_write(self.spec.into, lambda tmp: tmp.write_text(header + body))
         return self.spec.into
 
-
     def evidence(self) -> str:
         """Every candidate's score as YAML comments, so the fragment shows why it holds what
         it holds after the selection's runs are gone (chosen rows marked ``<-``)."""

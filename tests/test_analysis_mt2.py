@@ -57,3 +57,13 @@ def test_the_alignment_figure_says_so_when_no_run_recorded_alignment():
     fig = mt2.alignment_figure(data)
     assert "no run" in fig.axes[0].texts[0].get_text()
     fig.savefig(io.BytesIO())  # draws (a log scale over no points raised here)
+
+
+def test_the_gap_figure_says_so_when_every_run_with_traffic_diverged():
+    rows = [{"run_id": f"{rule}-{seed}", NOISE: 0.5, mt2.RULE: rule, "seed": seed,
+             "status": "complete" if rule == "none" else "diverged",
+             "acc": 0.9 if rule == "none" else float("nan"), "res": 0.1}
+            for rule in ("none", "innovation") for seed in (0, 1)]
+    fig = mt2.gap_figure(_data(rows))
+    assert "no run with traffic finished" in fig.axes[0].texts[0].get_text()
+    fig.savefig(io.BytesIO())
